@@ -1,0 +1,170 @@
+"""Example models for kiln specs: plain torch, no downloads.
+
+``tiny_gpt`` and ``tiny_mlp`` are small enough to bake on a laptop CPU in seconds; ``llm`` and
+``convnet`` are the GPU reference models (realistic structure, random weights).
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float = 1e-6) -> None:
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        var = x.float().pow(2).mean(-1, keepdim=True)
+        return (x.float() * torch.rsqrt(var + self.eps)).to(x.dtype) * self.weight
+
+
+def rotary(x: torch.Tensor, base: float = 10000.0) -> torch.Tensor:
+    """Rotary position embedding over the last dim of (batch, heads, seq, head_dim)."""
+    seq, hd = x.shape[-2], x.shape[-1]
+    inv = 1.0 / (base ** (torch.arange(0, hd, 2, device=x.device, dtype=torch.float32) / hd))
+    ang = torch.arange(seq, device=x.device, dtype=torch.float32)[:, None] * inv[None, :]
+    cos, sin = ang.cos().to(x.dtype), ang.sin().to(x.dtype)
+    x1, x2 = x[..., 0::2], x[..., 1::2]
+    return torch.stack((x1 * cos - x2 * sin, x1 * sin + x2 * cos), dim=-1).flatten(-2)
+
+
+class Attention(nn.Module):
+    def __init__(self, dim: int, heads: int, kv_heads: int) -> None:
+        super().__init__()
+        self.heads, self.kv_heads, self.hd = heads, kv_heads, dim // heads
+        self.q = nn.Linear(dim, heads * self.hd, bias=False)
+        self.kv = nn.Linear(dim, 2 * kv_heads * self.hd, bias=False)
+        self.o = nn.Linear(heads * self.hd, dim, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, s, _ = x.shape
+        q = self.q(x).view(b, s, self.heads, self.hd).transpose(1, 2)
+        k, v = self.kv(x).view(b, s, 2, self.kv_heads, self.hd).unbind(2)
+        k, v = k.transpose(1, 2), v.transpose(1, 2)
+        q, k = rotary(q), rotary(k)
+        y = F.scaled_dot_product_attention(
+            q, k, v, is_causal=True, enable_gqa=self.kv_heads != self.heads
+        )
+        return self.o(y.transpose(1, 2).reshape(b, s, -1))
+
+
+class SwiGLU(nn.Module):
+    def __init__(self, dim: int, hidden: int) -> None:
+        super().__init__()
+        self.gate_up = nn.Linear(dim, 2 * hidden, bias=False)
+        self.down = nn.Linear(hidden, dim, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = self.gate_up(x).chunk(2, dim=-1)
+        return self.down(F.silu(gate) * up)
+
+
+class Block(nn.Module):
+    def __init__(self, dim: int, heads: int, kv_heads: int, hidden: int) -> None:
+        super().__init__()
+        self.n1, self.n2 = RMSNorm(dim), RMSNorm(dim)
+        self.attn = Attention(dim, heads, kv_heads)
+        self.mlp = SwiGLU(dim, hidden)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = x + self.attn(self.n1(x))
+        return x + self.mlp(self.n2(x))
+
+
+class DecoderLM(nn.Module):
+    """Decoder-only transformer: RMSNorm, rotary, GQA attention through SDPA, SwiGLU."""
+
+    def __init__(
+        self, vocab: int, dim: int, layers: int, heads: int, kv_heads: int, hidden: int
+    ) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(vocab, dim)
+        self.blocks = nn.ModuleList(Block(dim, heads, kv_heads, hidden) for _ in range(layers))
+        self.norm = RMSNorm(dim)
+        self.head = nn.Linear(dim, vocab, bias=False)
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        x = self.embed(input_ids)
+        for block in self.blocks:
+            x = block(x)
+        # Last-position logits, as a serving prefill returns.
+        return self.head(self.norm(x[:, -1]))
+
+
+def tiny_gpt(vocab: int = 512, dim: int = 64, layers: int = 2, heads: int = 4) -> nn.Module:
+    torch.manual_seed(0)
+    return DecoderLM(vocab, dim, layers, heads, max(1, heads // 2), 4 * dim)
+
+
+def llm(
+    vocab: int = 32000, dim: int = 1024, layers: int = 8, heads: int = 16, kv_heads: int = 4
+) -> nn.Module:
+    """The GPU reference LLM: ~8 layers, hidden 1024, GQA 16/4, SwiGLU 2816."""
+    torch.manual_seed(0)
+    return DecoderLM(vocab, dim, layers, heads, kv_heads, int(math.ceil(2.75 * dim / 64) * 64))
+
+
+class TinyMLP(nn.Module):
+    def __init__(self, dim: int = 16, hidden: int = 32) -> None:
+        super().__init__()
+        self.fc1, self.fc2 = nn.Linear(dim, hidden), nn.Linear(hidden, dim)
+
+    def forward(self, x: torch.Tensor, scale: float = 1.0) -> torch.Tensor:
+        return self.fc2(torch.relu(self.fc1(x))) * scale
+
+
+def tiny_mlp(dim: int = 16, hidden: int = 32) -> nn.Module:
+    torch.manual_seed(0)
+    return TinyMLP(dim, hidden)
+
+
+class ConvNet(nn.Module):
+    """A small ResNet-style vision model (conv-bn-relu stages with residuals)."""
+
+    def __init__(self, width: int = 64, classes: int = 1000) -> None:
+        super().__init__()
+        self.stem = nn.Sequential(
+            nn.Conv2d(3, width, 7, 2, 3, bias=False), nn.BatchNorm2d(width), nn.ReLU()
+        )
+        stages = []
+        c = width
+        for i in range(4):
+            out = width * 2**i
+            stages.append(_ResBlock(c, out, stride=1 if i == 0 else 2))
+            stages.append(_ResBlock(out, out, stride=1))
+            c = out
+        self.stages = nn.Sequential(*stages)
+        self.head = nn.Linear(c, classes)
+
+    def forward(self, pixels: torch.Tensor) -> torch.Tensor:
+        x = self.stages(self.stem(pixels))
+        return self.head(x.mean((2, 3)))
+
+
+class _ResBlock(nn.Module):
+    def __init__(self, cin: int, cout: int, stride: int) -> None:
+        super().__init__()
+        self.c1 = nn.Conv2d(cin, cout, 3, stride, 1, bias=False)
+        self.b1 = nn.BatchNorm2d(cout)
+        self.c2 = nn.Conv2d(cout, cout, 3, 1, 1, bias=False)
+        self.b2 = nn.BatchNorm2d(cout)
+        self.skip = (
+            nn.Sequential(nn.Conv2d(cin, cout, 1, stride, bias=False), nn.BatchNorm2d(cout))
+            if stride != 1 or cin != cout
+            else nn.Identity()
+        )
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = F.relu(self.b1(self.c1(x)))
+        return F.relu(self.b2(self.c2(y)) + self.skip(x))
+
+
+def convnet(width: int = 64, classes: int = 1000) -> nn.Module:
+    torch.manual_seed(0)
+    return ConvNet(width, classes)

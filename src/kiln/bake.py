@@ -1,0 +1,205 @@
+"""Bake: compile a spec's grid in an isolated cache root and package what a pod needs to hit.
+
+The bake compiles in fresh worker processes whose only cache is a private temporary root, so the
+artifact holds this model's entries and nothing a previous job left in ``/tmp/torchinductor_*``.
+With automatic-dynamic shapes (``dynamic: null``) what a pod compiles depends on the order its
+requests arrive, so after the first pass the bake runs further fresh-process passes in other
+orders until one compiles nothing: the artifact then covers orders, not just the one CI used.
+"""
+
+from __future__ import annotations
+
+import shutil
+import tempfile
+import time
+from dataclasses import dataclass, field
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Any
+
+from kiln.artifact import sha256_file, source_date_epoch, write_artifact
+from kiln.capture import INDUCTOR_DIR, MEGACACHE_NAME, capture
+from kiln.errors import UsageError
+from kiln.grid import Bucket, expand, rotations
+from kiln.manifest import BucketStats, Manifest, PassStats
+from kiln.runner import EventSink, WorkerRun, run_worker
+from kiln.spec import Spec, load_spec
+
+MAX_AUTO_PASSES = 4
+
+
+@dataclass
+class BakeResult:
+    artifact: Path
+    sha256: str
+    size: int
+    manifest: Manifest
+    wall_s: float
+    workdir: Path | None = None  # kept only when asked (bench compares against the raw folder)
+    runs: list[WorkerRun] = field(default_factory=list, repr=False)
+
+    def summary(self) -> dict[str, Any]:
+        return {
+            "artifact": str(self.artifact),
+            "sha256": self.sha256,
+            "size": self.size,
+            "name": self.manifest.name,
+            "buckets": len(self.manifest.grid),
+            "files": len(self.manifest.files),
+            "passes": len(self.manifest.passes),
+            "totals": self.manifest.totals,
+            "wall_s": round(self.wall_s, 3),
+        }
+
+
+def serving_env(spec: Spec) -> dict[str, str]:
+    """Environment the bake compiles under and every serving process must share.
+
+    For automatic/dynamic shapes we pin ``TORCH_COMPILE_JOB_ID`` so the PGO profile torch writes
+    during the bake is the one a pod reads back (it is keyed by job id), unless the spec chose one.
+    """
+    env = spec.compile_env()
+    if spec.compile.dynamic is not False:
+        env.setdefault("TORCH_COMPILE_JOB_ID", f"kiln-{spec.name}")
+    return env
+
+
+def _check_env(env: dict[str, str]) -> None:
+    if env.get("TORCHINDUCTOR_FORCE_DISABLE_CACHES", "0") not in ("", "0"):
+        raise UsageError(
+            "spec env sets TORCHINDUCTOR_FORCE_DISABLE_CACHES: nothing could be cached"
+        )
+    for key in ("TORCHINDUCTOR_CACHE_DIR", "TRITON_CACHE_DIR"):
+        if key in env:
+            raise UsageError(f"spec env must not set {key}: kiln owns cache locations")
+
+
+def bake(
+    spec: Spec | str | Path,
+    out: str | Path,
+    *,
+    passes: int | None = None,
+    on_event: EventSink | None = None,
+    keep_workdir: bool = False,
+) -> BakeResult:
+    """Compile ``spec``'s grid and write a deterministic artifact to ``out``.
+
+    Nothing is written at ``out`` unless the whole bake succeeds.
+    """
+    spec = spec if isinstance(spec, Spec) else load_spec(spec)
+    out = Path(out)
+    env = serving_env(spec)
+    _check_env(env)
+    buckets = expand(spec)
+    if not buckets:
+        raise UsageError("the grid is empty after `exclude`")
+    n_passes = passes or spec.warmup.passes
+    auto = n_passes is None
+    if auto:
+        n_passes = 1 if spec.compile.dynamic is False else MAX_AUTO_PASSES
+    orders = rotations(buckets, n_passes)
+    emit = on_event or (lambda _e: None)
+
+    t0 = time.time()
+    work = Path(tempfile.mkdtemp(prefix=f"kiln-bake-{spec.name}-"))
+    try:
+        root = work / INDUCTOR_DIR
+        root.mkdir()
+        child_env = {
+            **env,
+            "TORCHINDUCTOR_CACHE_DIR": str(root),
+            # Triton's own default (~/.triton) is outside the root: keep it private too.
+            "TRITON_HOME": str(work / "triton-home"),
+        }
+        runs: list[WorkerRun] = []
+        pass_stats: list[PassStats] = []
+        for i, order in enumerate(orders):
+            emit(
+                {
+                    "event": "pass",
+                    "index": i,
+                    "passes": len(orders),
+                    "order": [b.key for b in order],
+                }
+            )
+            run = run_worker(
+                spec,
+                {
+                    "order": [b.key for b in order],
+                    "calls": spec.warmup.calls,
+                    "cache_root": str(root),
+                    "megacache_save": str(work / MEGACACHE_NAME) if i == 0 else None,
+                    "fingerprint": i == 0,
+                    "steady_calls": 5,
+                },
+                child_env,
+                on_event=emit,
+            )
+            runs.append(run)
+            compiles = sum(BucketStats.model_validate(b).compiles for b in run.result["buckets"])
+            pass_stats.append(
+                PassStats(
+                    order=[b.key for b in order], compiles=compiles, wall_s=run.ended - run.spawned
+                )
+            )
+            if auto and i > 0 and compiles == 0:
+                break
+        emit({"event": "capture"})
+        files = capture(root, work / MEGACACHE_NAME)
+        manifest = _manifest(spec, buckets, runs, pass_stats, files, env)
+        total = sum(f.size for f in files)
+        emit({"event": "pack", "bytes": total})
+        sha, size = write_artifact(
+            out, manifest, work, on_bytes=lambda n: emit({"event": "packed", "bytes": n})
+        )
+    except BaseException:
+        shutil.rmtree(work, ignore_errors=True)
+        raise
+    if not keep_workdir:
+        shutil.rmtree(work, ignore_errors=True)
+    return BakeResult(
+        artifact=out,
+        sha256=sha,
+        size=size,
+        manifest=manifest,
+        wall_s=time.time() - t0,
+        workdir=work if keep_workdir else None,
+        runs=runs,
+    )
+
+
+def _manifest(
+    spec: Spec,
+    buckets: list[Bucket],
+    runs: list[WorkerRun],
+    pass_stats: list[PassStats],
+    files: list[Any],
+    env: dict[str, str],
+) -> Manifest:
+    first = runs[0]
+    grid = [BucketStats.model_validate(b) for b in first.result["buckets"]]
+    order = {b.key: i for i, b in enumerate(buckets)}
+    grid.sort(key=lambda b: order[b.key])
+    origin = spec.factory_origin()
+    epoch = source_date_epoch()
+    created = datetime.fromtimestamp(epoch or time.time(), tz=timezone.utc)
+    return Manifest(
+        name=spec.name,
+        created=created.isoformat(timespec="seconds"),
+        spec=spec.canonical(),
+        spec_sha256=spec.sha256(),
+        model_source_sha256=sha256_file(origin) if origin and origin.is_file() else None,
+        fingerprint=first.result["fingerprint"] or {},
+        env=env,
+        grid=grid,
+        passes=pass_stats,
+        totals={
+            "compile_s": round(sum(b.compile_s for b in grid), 3),
+            "first_calls_s": round(sum(b.first_call_s for b in grid), 3),
+            "bake_passes_s": round(sum(p.wall_s for p in pass_stats), 3),
+            "graph_breaks": float(sum(b.graph_breaks for b in grid)),
+            "unique_graphs": float(sum(b.unique_graphs for b in grid)),
+        },
+        files=files,
+        megacache=MEGACACHE_NAME if any(f.path == MEGACACHE_NAME for f in files) else None,
+    )

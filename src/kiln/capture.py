@@ -1,0 +1,91 @@
+"""What of a bake's cache root goes into the artifact, and what kind of cache each file is.
+
+The bake compiles into a private root, so everything in it belongs to this model; we still leave
+out what is never read on a hit (locks, half-written temp files) so artifacts stay small and
+deterministic. Kinds make ``inspect`` explain an artifact the way ccache's stats do.
+Torch-free.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path, PurePosixPath
+
+from kiln.artifact import sha256_file
+from kiln.manifest import FileEntry
+
+INDUCTOR_DIR = "inductor"  # artifact/restore prefix: DIR/inductor is TORCHINDUCTOR_CACHE_DIR
+MEGACACHE_NAME = "megacache.bin"
+
+_SKIP_DIRS = frozenset({"locks", "__pycache__"})
+_TOP_KINDS = {
+    "fxgraph": "fxgraph",
+    "aotautograd": "aotautograd",
+    "triton": "triton",
+    "cache": "autotune",
+    "dynamo": "pgo",
+}
+_SUFFIX_KINDS = {
+    ".py": "code",
+    ".so": "native",
+    ".cpp": "source",
+    ".h": "source",
+    ".best_config": "autotune",
+    ".json": "meta",
+    ".cubin": "triton",
+    ".ptx": "triton",
+}
+
+
+def _skipped(name: str) -> bool:
+    return name.endswith((".lock", ".tmp")) or ".tmp." in name or name.startswith(".tmp")
+
+
+def classify(rel: str) -> str:
+    parts = PurePosixPath(rel).parts
+    if rel == MEGACACHE_NAME:
+        return "megacache"
+    if len(parts) >= 2 and parts[0] == INDUCTOR_DIR:
+        top = parts[1]
+        if top in _TOP_KINDS:
+            return _TOP_KINDS[top]
+        return _SUFFIX_KINDS.get(PurePosixPath(rel).suffix, "other")
+    return "other"
+
+
+def capture(cache_root: Path, megacache: Path | None = None) -> list[FileEntry]:
+    """File entries for ``cache_root`` (stored under ``inductor/``) and the Mega-Cache blob."""
+    entries: list[FileEntry] = []
+    for dirpath, dirnames, filenames in os.walk(cache_root):
+        dirnames[:] = sorted(d for d in dirnames if d not in _SKIP_DIRS)
+        for name in sorted(filenames):
+            path = Path(dirpath) / name
+            if _skipped(name) or path.is_symlink() or not path.is_file():
+                continue
+            rel = f"{INDUCTOR_DIR}/{path.relative_to(cache_root).as_posix()}"
+            entries.append(_entry(path, rel))
+    if megacache is not None and megacache.is_file():
+        entries.append(_entry(megacache, MEGACACHE_NAME))
+    return sorted(entries, key=lambda e: e.path)
+
+
+def _entry(path: Path, rel: str) -> FileEntry:
+    return FileEntry(
+        path=rel, size=path.stat().st_size, sha256=sha256_file(path), kind=classify(rel)
+    )
+
+
+def snapshot(cache_root: Path) -> set[str]:
+    """Relative names of files under a cache root: diffed to find what a process compiled."""
+    out: set[str] = set()
+    if not cache_root.is_dir():
+        return out
+    for dirpath, dirnames, filenames in os.walk(cache_root):
+        dirnames[:] = [d for d in dirnames if d not in _SKIP_DIRS]
+        for name in filenames:
+            if not _skipped(name):
+                out.add((Path(dirpath) / name).relative_to(cache_root).as_posix())
+    return out
+
+
+NATIVE_SUFFIXES = (".so", ".cubin", ".hsaco")

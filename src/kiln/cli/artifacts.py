@@ -1,0 +1,78 @@
+"""`kiln inspect`, `kiln restore`, `kiln push`: artifact handling. Never imports torch."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import typer
+from rich.console import Console
+
+from kiln.cli.options import JSON, QUIET
+from kiln.cli.render import human_bytes, manifest_view
+from kiln.output import Output
+
+
+def register(app: typer.Typer) -> None:
+    app.command("inspect")(inspect_cmd)
+    app.command("restore")(restore_cmd)
+    app.command("push")(push_cmd)
+
+
+def inspect_cmd(
+    artifact: Path = typer.Argument(..., help="Artifact file or restored folder."),
+    json_: bool = JSON,
+) -> None:
+    """Show an artifact's manifest without unpacking it: fingerprint, grid, files by kind."""
+    from kiln.artifact import read_manifest
+
+    m = read_manifest(artifact)
+    Output(json_).emit(m.model_dump(mode="json"), lambda c: manifest_view(c, m))
+
+
+def restore_cmd(
+    source: str = typer.Argument(
+        ..., help="Artifact path or URL (http(s)://, s3://, gs://, oci://)."
+    ),
+    dest: Path = typer.Option(
+        ..., "--dest", "-d", help="Folder to install into (replaced atomically)."
+    ),
+    sha256: str = typer.Option(
+        None, "--sha256", help="Pinned artifact digest, checked before unpacking."
+    ),
+    env_file: Path = typer.Option(None, "--env-file", help="Also write kiln.env here."),
+    json_: bool = JSON,
+    quiet: bool = QUIET,
+) -> None:
+    """Fetch and unpack an artifact into DEST safely, atomically and idempotently."""
+    from kiln.restore import restore
+
+    o = Output(json_, quiet)
+    with o.progress() as sink:
+        result = restore(source, dest, sha256=sha256, env_file=env_file, on_event=sink)
+
+    def human(c: Console) -> None:
+        what = "already installed" if result.noop else "restored"
+        c.print(
+            f"{what} [bold]{result.manifest.name}[/] into {result.dest}: {result.files} files, "
+            f"{human_bytes(result.bytes)} in {result.seconds:.2f}s"
+        )
+        c.print(f"sha256 {result.sha256}")
+        c.print(f"serve with: . {result.env_file}")
+
+    o.emit(result.summary(), human)
+
+
+def push_cmd(
+    artifact: Path = typer.Argument(..., help="Artifact file."),
+    dest: str = typer.Argument(
+        ..., help="Destination: path, s3://, gs:// or oci://registry/repo:tag."
+    ),
+    json_: bool = JSON,
+) -> None:
+    """Upload an artifact; prints its digest so CI can pin the restore."""
+    from kiln.storage import push
+
+    result = push(artifact, dest)
+    Output(json_).emit(
+        result, lambda c: c.print(f"pushed {result['dest']}\nsha256 {result['sha256']}")
+    )

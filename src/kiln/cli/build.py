@@ -1,0 +1,71 @@
+"""`kiln bake`, `kiln schema`, `kiln env`: the CI side."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import typer
+from rich.console import Console
+
+from kiln.cli.options import DEVICE_INDEX, JSON, QUIET
+from kiln.cli.render import bucket_table, fingerprint_table, human_bytes
+from kiln.output import Output
+
+
+def register(app: typer.Typer) -> None:
+    app.command("bake")(bake_cmd)
+    app.command("schema")(schema_cmd)
+    app.command("env")(env_cmd)
+
+
+def bake_cmd(
+    spec: Path = typer.Argument(..., help="Model spec (YAML)."),
+    out: Path = typer.Option(
+        None, "--out", "-o", help="Artifact path [default: NAME.kiln.tar.zst]."
+    ),
+    passes: int = typer.Option(
+        None, "--passes", min=1, help="Fresh-process passes in other orders."
+    ),
+    json_: bool = JSON,
+    quiet: bool = QUIET,
+) -> None:
+    """Compile SPEC's grid in an isolated cache root and write a deterministic artifact."""
+    from kiln.bake import bake
+    from kiln.spec import load_spec
+
+    o = Output(json_, quiet)
+    parsed = load_spec(spec)
+    target = out or Path(f"{parsed.name}.kiln.tar.zst")
+    with o.progress() as sink:
+        result = bake(parsed, target, passes=passes, on_event=sink)
+
+    def human(c: Console) -> None:
+        m = result.manifest
+        c.print(bucket_table(m.grid, f"{m.name}: {len(m.grid)} buckets baked"))
+        c.print(
+            f"wrote [bold]{result.artifact}[/] ({human_bytes(result.size)}, {len(m.files)} files, "
+            f"{human_bytes(m.total_bytes)} unpacked) in {result.wall_s:.1f}s"
+        )
+        c.print(f"sha256 {result.sha256}")
+
+    o.emit(result.summary(), human)
+
+
+def schema_cmd() -> None:
+    """Print the spec's JSON Schema (for editor completion via yaml-language-server)."""
+    from kiln.spec import spec_json_schema
+
+    typer.echo(json.dumps(spec_json_schema(), indent=2))
+
+
+def env_cmd(
+    device: str = typer.Option("cpu", "--device", help="cpu or cuda."),
+    device_index: int = DEVICE_INDEX,
+    json_: bool = JSON,
+) -> None:
+    """Print this machine's fingerprint (the fields a manifest records)."""
+    from kiln.fingerprint import fingerprint
+
+    fp = fingerprint(device, device_index=device_index or 0)
+    Output(json_).emit(fp, lambda c: c.print(fingerprint_table(fp, "this environment")))

@@ -1,0 +1,103 @@
+"""`kiln check`, `kiln verify`: the serving side's proof that caches will hit."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import typer
+from rich.console import Console
+from rich.table import Table
+
+from kiln.cli.options import DEVICE_INDEX, JSON, QUIET
+from kiln.cli.render import bucket_table, ms
+from kiln.errors import IncompatibleError, VerificationError
+from kiln.output import Output
+
+
+def register(app: typer.Typer) -> None:
+    app.command("check")(check_cmd)
+    app.command("verify")(verify_cmd)
+
+
+def factor_table(report: object, *, all_rows: bool) -> Table:
+    table = Table(title="factors", title_justify="left")
+    for col in ("factor", "baked", "here", "effect"):
+        table.add_column(col)
+    for f in report.factors:  # type: ignore[attr-defined]
+        if f.matches and not all_rows:
+            continue
+        effect = (
+            "ok"
+            if f.matches
+            else ("[red]MISS[/] " + f.note if f.causes_miss else f"differs: {f.note}")
+        )
+        table.add_row(f.name, str(f.baked), str(f.here), effect)
+    return table
+
+
+def check_cmd(
+    target: Path = typer.Argument(..., help="Artifact file or restored folder."),
+    device_index: int = DEVICE_INDEX,
+    all_rows: bool = typer.Option(False, "--all", help="Show matching factors too."),
+    json_: bool = JSON,
+) -> None:
+    """Compare the baked fingerprint with this environment; exit 5 if caches would miss."""
+    from kiln.check import check
+
+    report = check(target, device_index=device_index)
+
+    def human(c: Console) -> None:
+        c.print(factor_table(report, all_rows=all_rows or report.ok))
+        if report.ok:
+            c.print(f"[green]compatible[/]: {report.name} will hit here")
+        else:
+            c.print(f"[red]incompatible[/]: {', '.join(f.name for f in report.misses)}")
+
+    Output(json_).emit(report.to_dict(), human)
+    if not report.ok:
+        raise IncompatibleError(
+            "caches would miss: "
+            + ", ".join(f"{f.name} ({f.baked!r} → {f.here!r})" for f in report.misses)
+        )
+
+
+def verify_cmd(
+    spec: Path = typer.Argument(..., help="Model spec (YAML) the artifact was baked from."),
+    cache: Path = typer.Option(..., "--cache", help="Restored folder (kiln restore --dest)."),
+    order: str = typer.Option(
+        "shuffle", "--order", help="Request order: shuffle, grid or reverse."
+    ),
+    seed: int = typer.Option(0, "--seed", help="Seed for --order shuffle."),
+    ready_file: Path = typer.Option(None, "--ready-file", help="Written only on success (probes)."),
+    device_index: int = DEVICE_INDEX,
+    json_: bool = JSON,
+    quiet: bool = QUIET,
+) -> None:
+    """Run the grid in a fresh process against CACHE; exit 6 if anything compiled."""
+    from kiln.verify import verify
+
+    o = Output(json_, quiet)
+    with o.progress() as sink:
+        report = verify(
+            spec,
+            cache,
+            order=order,
+            seed=seed,
+            device_index=device_index or 0,
+            ready_file=ready_file,
+            on_event=sink,
+        )
+
+    def human(c: Console) -> None:
+        c.print(bucket_table(report.buckets, f"verify {report.name} ({order} order)", verify=True))
+        c.print(f"ready in {ms(report.time_to_ready_s)} (process start → every bucket ran once)")
+        if report.check and not report.check.ok:
+            c.print(factor_table(report.check, all_rows=False))
+        if not report.spec_matches:
+            o.warn("spec differs from the one baked into this artifact")
+        if report.ok:
+            c.print("[green]verified[/]: zero compiles over the grid")
+
+    o.emit(report.to_dict(), human)
+    if not report.ok:
+        raise VerificationError("; ".join(report.reasons()))

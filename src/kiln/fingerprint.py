@@ -1,0 +1,249 @@
+"""The environment fingerprint: every factor that decides whether a baked cache can hit.
+
+Torch's cache keys silently fold in the torch build, Triton, CUDA, the GPU, the device index, the
+whole Inductor config and some environment variables. A pod that differs in any of them
+recompiles without a word. We record each factor separately (not one opaque hash) so that
+``kiln check`` can *name* what differs and say whether it causes misses — ccache's "explain
+yourself" standard. ``collect()`` needs torch; ``compare()`` is torch-free.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+import sys
+from dataclasses import asdict, dataclass
+from typing import Any
+
+# Environment that changes compiled code or cache keys. Cache *locations* are excluded on
+# purpose: the restored cache lives at another path by design.
+_ENV_PREFIXES = ("TORCHINDUCTOR_", "TORCH_COMPILE_", "TORCHDYNAMO_", "TRITON_", "PYTORCH_")
+_ENV_EXACT = ("CUDA_VISIBLE_DEVICES", "TORCH_CUDA_ARCH_LIST", "CUDA_LAUNCH_BLOCKING")
+_ENV_IGNORED = frozenset(
+    {
+        "TORCHINDUCTOR_CACHE_DIR",
+        "TRITON_CACHE_DIR",
+        "TRITON_HOME",
+        "TORCHINDUCTOR_COMPILE_THREADS",  # parallelism, not output
+        "TORCHINDUCTOR_WORKER_START",
+        "PYTORCH_CUDA_ALLOC_CONF",
+        "TORCH_COMPILE_DEBUG_DIR",
+        "TORCHINDUCTOR_FORCE_DISABLE_CACHES",  # reported separately: it disables every hit
+    }
+)
+
+# Factors torch folds into its cache keys: a difference means misses.
+KEY_FACTORS = (
+    "torch.version",
+    "torch.git",
+    "torch.key",
+    "torch.cuda",
+    "triton.version",
+    "triton.key",
+    "gpu.name",
+    "gpu.capability",
+    "device.index",
+    "cpu.isa",
+    "flags.deterministic",
+    "flags.matmul_precision",
+    "flags.allow_tf32",
+)
+# Factors that do not enter the keys but explain other trouble.
+INFO_FACTORS = ("python", "platform", "gpu.driver", "cpu.model", "gpu.count")
+
+
+def relevant_env(environ: dict[str, str] | None = None) -> dict[str, str]:
+    env = os.environ if environ is None else environ
+    return {
+        k: v
+        for k, v in sorted(env.items())
+        if (k.startswith(_ENV_PREFIXES) or k in _ENV_EXACT) and k not in _ENV_IGNORED
+    }
+
+
+def _jsonable(value: Any) -> Any:
+    try:
+        json.dumps(value)
+        return value
+    except (TypeError, ValueError):
+        return repr(value)
+
+
+def _cpu_model() -> str | None:
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8") as fh:
+            for line in fh:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or None
+
+
+def fingerprint(device: str = "cpu", *, device_index: int = 0, keys: bool = True) -> dict[str, Any]:
+    """This process's fingerprint for ``device`` ("cpu" or "cuda").
+
+    ``keys`` also computes torch's and Triton's source hashes (a few seconds: torch hashes its
+    own source tree), which catch rebuilt wheels that keep their version string.
+    """
+    import torch
+    from torch._inductor import config as inductor_config
+
+    fp: dict[str, Any] = {
+        "python": platform.python_version(),
+        "platform": f"{platform.system()}-{platform.machine()}",
+        "torch.version": torch.__version__,
+        "torch.git": torch.version.git_version,
+        "torch.cuda": torch.version.cuda,
+        "flags.deterministic": torch.are_deterministic_algorithms_enabled(),
+        "flags.matmul_precision": torch.get_float32_matmul_precision(),
+        "flags.allow_tf32": bool(torch.backends.cuda.matmul.allow_tf32),
+        "device.type": device,
+        "device.index": device_index if device == "cuda" else None,
+        "cpu.model": _cpu_model(),
+    }
+    try:
+        import triton
+
+        fp["triton.version"] = triton.__version__
+    except ImportError:
+        fp["triton.version"] = None
+    if device == "cpu":
+        from torch._inductor.cpu_vec_isa import pick_vec_isa
+
+        fp["cpu.isa"] = str(pick_vec_isa()) or "none"
+    if device == "cuda" and torch.cuda.is_available() and device_index < torch.cuda.device_count():
+        props = torch.cuda.get_device_properties(device_index)
+        fp["gpu.name"] = props.name
+        fp["gpu.capability"] = f"{props.major}.{props.minor}"
+        fp["gpu.count"] = torch.cuda.device_count()
+        fp["gpu.driver"] = _driver_version()
+    elif device == "cuda":
+        fp["gpu.name"] = None
+        fp["gpu.capability"] = None
+        fp["gpu.count"] = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    if keys:
+        from torch._inductor.codecache import torch_key
+
+        fp["torch.key"] = torch_key().hex()
+        if device == "cuda" and fp["triton.version"]:
+            try:
+                from torch._inductor.runtime.triton_compat import triton_key
+
+                fp["triton.key"] = triton_key()
+            except Exception:
+                fp["triton.key"] = None
+    fp["inductor"] = {
+        k: _jsonable(v) for k, v in sorted(inductor_config.save_config_portable().items())
+    }
+    fp["env"] = relevant_env()
+    return fp
+
+
+def _driver_version() -> str | None:
+    try:
+        import pynvml  # type: ignore[import-not-found]
+
+        pynvml.nvmlInit()
+        return str(pynvml.nvmlSystemGetDriverVersion())
+    except Exception:
+        pass
+    try:
+        with open("/proc/driver/nvidia/version", encoding="utf-8") as fh:
+            first = fh.readline()
+        parts = [p for p in first.split() if p[:1].isdigit() and "." in p]
+        return parts[0] if parts else None
+    except OSError:
+        return None
+
+
+@dataclass(frozen=True)
+class Factor:
+    name: str
+    baked: Any
+    here: Any
+    matches: bool
+    causes_miss: bool
+    note: str = ""
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+_NOTES = {
+    "torch.version": "torch version is in every cache key",
+    "torch.git": "a different torch build: every key changes",
+    "torch.key": "torch's source hash differs (rebuilt or patched torch): every key changes",
+    "torch.cuda": "CUDA runtime of the torch build is in the FX graph key",
+    "triton.version": "Triton version is in the kernel and FX graph keys",
+    "triton.key": "Triton's source hash differs: kernels recompile",
+    "gpu.name": "the GPU model is in the FX graph key: bake on the serving GPU",
+    "gpu.capability": "kernels are compiled for one compute capability",
+    "device.index": "the device index (cuda:N) is in the input metadata of the FX key: "
+    "bake on cuda:0 and serve with one visible GPU per process",
+    "cpu.isa": "C++ kernels are built for the picked vector ISA",
+    "flags.deterministic": "deterministic-algorithms flag is in the FX key",
+    "flags.matmul_precision": "float32 matmul precision is in the FX key",
+    "flags.allow_tf32": "TF32 setting is in the FX key",
+    "python": "harmless if the torch build matches (a new Python usually means a new wheel)",
+    "gpu.driver": "not in torch's keys; newer drivers load older cubins",
+}
+
+
+def compare(baked: dict[str, Any], here: dict[str, Any]) -> list[Factor]:
+    """Factor-by-factor comparison; only factors present in both sides are judged."""
+    factors: list[Factor] = []
+    for name in (*KEY_FACTORS, *INFO_FACTORS):
+        if name not in baked and name not in here:
+            continue
+        b, h = baked.get(name), here.get(name)
+        if name not in baked or name not in here:
+            # One side did not record it (e.g. keys=False): say so, never guess a match.
+            factors.append(Factor(name, b, h, True, False, "not recorded on one side"))
+            continue
+        same = b == h
+        factors.append(
+            Factor(name, b, h, same, (not same) and name in KEY_FACTORS, _NOTES.get(name, ""))
+        )
+    b_ind, h_ind = baked.get("inductor", {}), here.get("inductor", {})
+    for key in sorted(set(b_ind) | set(h_ind)):
+        if b_ind.get(key) != h_ind.get(key) and key in b_ind and key in h_ind:
+            factors.append(
+                Factor(
+                    f"inductor.{key}",
+                    b_ind.get(key),
+                    h_ind.get(key),
+                    False,
+                    True,
+                    "the whole Inductor config is in the FX graph key",
+                )
+            )
+    b_env, h_env = baked.get("env", {}), here.get("env", {})
+    for key in sorted(set(b_env) | set(h_env)):
+        if b_env.get(key) != h_env.get(key):
+            # Env vars act through Inductor/Dynamo config or cache tags: assume they matter.
+            factors.append(
+                Factor(
+                    f"env.{key}",
+                    b_env.get(key),
+                    h_env.get(key),
+                    False,
+                    _env_causes_miss(key),
+                    "compile-time environment differs",
+                )
+            )
+    return factors
+
+
+def _env_causes_miss(key: str) -> bool:
+    # CUDA_VISIBLE_DEVICES only renumbers GPUs; what counts is the index, judged as device.index.
+    return key.startswith(("TORCHINDUCTOR_", "TORCH_COMPILE_", "TORCHDYNAMO_", "TRITON_"))
+
+
+def misses(factors: list[Factor]) -> list[Factor]:
+    return [f for f in factors if f.causes_miss]
+
+
+def python_tag() -> str:
+    return f"{sys.implementation.name}{sys.version_info.major}.{sys.version_info.minor}"

@@ -1,0 +1,348 @@
+"""Restore: install an artifact into a folder safely, atomically and idempotently. Torch-free.
+
+A compile cache is code: torch unpickles it and dlopens the ``.so`` files in it. So restore
+treats every archive as hostile, whoever made it: the manifest (first member) is the allow-list,
+and only regular files and folders it names, with the sizes and sha256 it gives, are written —
+by us, never by ``tarfile.extract`` (whose filters have had escapes). Everything lands in a
+staging folder beside DIR and is swapped in with one atomic rename only when complete, under a
+lock, so a killed or concurrent restore never leaves DIR half-written.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import ctypes.util
+import errno
+import fcntl
+import hashlib
+import json
+import os
+import shlex
+import shutil
+import tarfile
+import tempfile
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from pathlib import Path, PurePosixPath
+from typing import Any
+
+import zstandard
+
+from kiln.artifact import open_tar_stream, read_manifest_member
+from kiln.capture import INDUCTOR_DIR
+from kiln.errors import IntegrityError, KilnError, UsageError
+from kiln.manifest import MANIFEST_NAME, Manifest
+from kiln.storage import fetch, is_remote
+
+ENV_NAME = "kiln.env"
+STATE_NAME = ".kiln-installed.json"
+_CHUNK = 1 << 20
+_HEADROOM = 16 << 20
+
+Sink = Callable[[dict[str, Any]], None]
+
+
+@dataclass
+class RestoreResult:
+    dest: Path
+    sha256: str
+    files: int
+    bytes: int
+    seconds: float
+    noop: bool
+    env_file: Path
+    manifest: Manifest
+
+    def summary(self) -> dict[str, Any]:
+        return {
+            "dest": str(self.dest),
+            "sha256": self.sha256,
+            "name": self.manifest.name,
+            "files": self.files,
+            "bytes": self.bytes,
+            "seconds": round(self.seconds, 3),
+            "noop": self.noop,
+            "env_file": str(self.env_file),
+            "cache_dir": str(self.dest / INDUCTOR_DIR),
+        }
+
+
+def env_lines(dest: Path, manifest: Manifest) -> str:
+    """``kiln.env``: what a serving process needs to hit, as shell ``export`` lines."""
+    values = {
+        "TORCHINDUCTOR_CACHE_DIR": str(dest / INDUCTOR_DIR),
+        "KILN_CACHE_DIR": str(dest),
+        **manifest.env,
+    }
+    body = "".join(f"export {k}={shlex.quote(v)}\n" for k, v in values.items())
+    header = f"# written by kiln restore for {manifest.name}: `. {dest / ENV_NAME}` to serve\n"
+    return header + body
+
+
+def installed_digest(dest: Path) -> str | None:
+    try:
+        return json.loads((dest / STATE_NAME).read_text())["artifact_sha256"]
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+
+
+@contextlib.contextmanager
+def _locked(dest: Path) -> Iterator[None]:
+    """One restore per DIR at a time, across processes (flock dies with its holder)."""
+    lock = dest.parent / f".{dest.name}.kiln.lock"
+    with open(lock, "a+b") as fh:
+        fcntl.flock(fh.fileno(), fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(fh.fileno(), fcntl.LOCK_UN)
+
+
+def _check_dest(dest: Path) -> None:
+    if dest.is_symlink() or (dest.exists() and not dest.is_dir()):
+        raise UsageError(f"{dest}: exists and is not a folder")
+    if dest.is_dir():
+        if os.path.ismount(dest):
+            raise UsageError(
+                f"{dest}: is a mount point and cannot be swapped atomically; "
+                f"restore into a subfolder (e.g. {dest / 'kiln'})"
+            )
+        if any(dest.iterdir()) and not (dest / STATE_NAME).exists():
+            raise UsageError(f"{dest}: not empty and not a kiln folder; refusing to replace it")
+
+
+def _clean_stale(dest: Path) -> None:
+    """Remove leftovers of restores that were killed (we hold the lock, so none is running)."""
+    for p in dest.parent.glob(f".{dest.name}.kiln-*"):
+        if p.is_dir() and not p.name.endswith(".lock"):
+            shutil.rmtree(p, ignore_errors=True)
+
+
+def restore(
+    source: str | Path,
+    dest: str | Path,
+    *,
+    sha256: str | None = None,
+    env_file: str | Path | None = None,
+    on_event: Sink | None = None,
+) -> RestoreResult:
+    """Install the artifact at ``source`` (path or URL) into ``dest``.
+
+    Raises :class:`IntegrityError` (exit 3) for a wrong digest or an unsafe/corrupt archive, with
+    ``dest`` untouched.
+    """
+    t0 = time.time()
+    emit = on_event or (lambda _e: None)
+    source = str(source)
+    dest = Path(dest).absolute()
+    dest.parent.mkdir(parents=True, exist_ok=True)
+    with _locked(dest):
+        _check_dest(dest)
+        _clean_stale(dest)
+        if sha256 and installed_digest(dest) == sha256.lower().removeprefix("sha256:"):
+            return _noop(dest, env_file, t0)
+        staging = Path(tempfile.mkdtemp(prefix=f".{dest.name}.kiln-staging-", dir=dest.parent))
+        try:
+            if is_remote(source):
+                _require_space(dest.parent, 0, "download")
+            emit({"event": "fetch", "source": source})
+            fetched = fetch(
+                source,
+                staging,
+                expected_sha256=sha256,
+                on_bytes=lambda n, total: emit({"event": "fetched", "bytes": n, "total": total}),
+            )
+            if installed_digest(dest) == fetched.sha256:
+                shutil.rmtree(staging, ignore_errors=True)
+                return _noop(dest, env_file, t0)
+            tree = staging / "tree"
+            tree.mkdir()
+            with open(fetched.path, "rb") as fh:
+                manifest = _extract(fh, tree, emit)
+            if fetched.downloaded:
+                fetched.path.unlink()
+            (tree / MANIFEST_NAME).write_bytes(manifest.to_bytes())
+            (tree / ENV_NAME).write_text(env_lines(dest, manifest))
+            state = {"artifact_sha256": fetched.sha256, "source": source, "restored": time.time()}
+            (tree / STATE_NAME).write_text(json.dumps(state))
+            _swap(tree, dest)
+        except OSError as exc:
+            shutil.rmtree(staging, ignore_errors=True)
+            if exc.errno == errno.ENOSPC:
+                raise KilnError(
+                    f"{dest.parent}: disk full while restoring; nothing was changed"
+                ) from None
+            raise
+        except BaseException:
+            shutil.rmtree(staging, ignore_errors=True)
+            raise
+        shutil.rmtree(staging, ignore_errors=True)
+    written_env = _write_env_copy(dest, env_file)
+    return RestoreResult(
+        dest=dest,
+        sha256=fetched.sha256,
+        files=len(manifest.files),
+        bytes=manifest.total_bytes,
+        seconds=time.time() - t0,
+        noop=False,
+        env_file=written_env,
+        manifest=manifest,
+    )
+
+
+def _noop(dest: Path, env_file: str | Path | None, t0: float) -> RestoreResult:
+    manifest = Manifest.model_validate_json((dest / MANIFEST_NAME).read_bytes())
+    return RestoreResult(
+        dest=dest,
+        sha256=installed_digest(dest) or "",
+        files=len(manifest.files),
+        bytes=manifest.total_bytes,
+        seconds=time.time() - t0,
+        noop=True,
+        env_file=_write_env_copy(dest, env_file),
+        manifest=manifest,
+    )
+
+
+def _write_env_copy(dest: Path, env_file: str | Path | None) -> Path:
+    if env_file is None:
+        return dest / ENV_NAME
+    target = Path(env_file).absolute()
+    target.parent.mkdir(parents=True, exist_ok=True)
+    tmp = target.with_name(f".{target.name}.tmp")
+    shutil.copyfile(dest / ENV_NAME, tmp)
+    tmp.replace(target)
+    return target
+
+
+def _require_space(where: Path, need: int, what: str) -> None:
+    free = shutil.disk_usage(where).free
+    if free < need + _HEADROOM:
+        raise KilnError(
+            f"{where}: not enough free space for {what}: need {_mib(need + _HEADROOM)}, "
+            f"have {_mib(free)}; nothing was changed"
+        )
+
+
+def _mib(n: int) -> str:
+    return f"{n / (1 << 20):.1f} MiB"
+
+
+def safe_member_name(name: str) -> str:
+    """The member name if it is a plain relative path, else raise :class:`IntegrityError`."""
+    if not name or "\x00" in name or "\\" in name:
+        raise IntegrityError(f"unsafe member name {name!r}")
+    p = PurePosixPath(name)
+    if p.is_absolute() or name.startswith("/"):
+        raise IntegrityError(f"absolute path in archive: {name!r}")
+    if any(part in ("..", ".", "") for part in name.rstrip("/").split("/")):
+        raise IntegrityError(f"path traversal in archive: {name!r}")
+    return name.rstrip("/")
+
+
+def _member_kind(m: tarfile.TarInfo) -> str:
+    if m.issym():
+        return "symlink"
+    if m.islnk():
+        return "hardlink"
+    if m.ischr() or m.isblk():
+        return "device"
+    if m.isfifo():
+        return "fifo"
+    return f"type {m.type!r}"
+
+
+def _extract(fh: Any, tree: Path, emit: Sink) -> Manifest:
+    try:
+        with open_tar_stream(fh) as tar:
+            manifest = read_manifest_member(tar)
+            allowed = {f.path: f for f in manifest.files}
+            dirs = {str(parent) for f in manifest.files for parent in PurePosixPath(f.path).parents}
+            for f in allowed:
+                safe_member_name(f)
+            _require_space(tree, manifest.total_bytes, f"{len(allowed)} files")
+            total = manifest.total_bytes
+            emit({"event": "extract", "bytes": 0, "total": total})
+            seen: set[str] = set()
+            done = 0
+            for index, member in enumerate(tar):
+                if index == 0:
+                    continue  # manifest.json, already read (a streaming TarFile yields it again)
+                name = safe_member_name(member.name)
+                if member.isdir():
+                    if name not in dirs:
+                        raise IntegrityError(f"folder {name!r} is not in the manifest")
+                    continue
+                if not member.isreg():
+                    raise IntegrityError(f"{name!r} is a {_member_kind(member)}: refused")
+                entry = allowed.get(name)
+                if entry is None:
+                    raise IntegrityError(f"{name!r} is not in the manifest")
+                if name in seen:
+                    raise IntegrityError(f"{name!r} appears twice in the archive")
+                seen.add(name)
+                if member.size != entry.size:
+                    raise IntegrityError(
+                        f"{name!r} is {member.size} bytes, the manifest says {entry.size}"
+                    )
+                target = tree / name
+                target.parent.mkdir(parents=True, exist_ok=True)
+                src = tar.extractfile(member)
+                assert src is not None
+                h = hashlib.sha256()
+                with open(target, "xb") as out:
+                    while chunk := src.read(_CHUNK):
+                        h.update(chunk)
+                        out.write(chunk)
+                if h.hexdigest() != entry.sha256:
+                    raise IntegrityError(f"{name!r}: sha256 differs from the manifest")
+                done += entry.size
+                emit({"event": "extract", "bytes": done, "total": total})
+    except (tarfile.TarError, zstandard.ZstdError, EOFError) as exc:
+        raise IntegrityError(f"artifact is corrupt or truncated: {exc}") from None
+    missing = sorted(set(allowed) - seen)
+    if missing:
+        raise IntegrityError(f"artifact is missing {len(missing)} file(s), e.g. {missing[0]!r}")
+    return manifest
+
+
+# --- atomic swap ----------------------------------------------------------------------------
+
+_RENAME_EXCHANGE = 2
+_AT_FDCWD = -100
+
+
+def _renameat2_exchange(a: Path, b: Path) -> bool:
+    """Atomically exchange two paths (Linux >= 3.15). False when unsupported here."""
+    libc_name = ctypes.util.find_library("c")
+    if not libc_name:
+        return False
+    libc = ctypes.CDLL(libc_name, use_errno=True)
+    fn = getattr(libc, "renameat2", None)
+    if fn is None:
+        return False
+    rc = fn(_AT_FDCWD, os.fsencode(a), _AT_FDCWD, os.fsencode(b), _RENAME_EXCHANGE)
+    if rc == 0:
+        return True
+    err = ctypes.get_errno()
+    if err in (errno.EINVAL, errno.ENOSYS, errno.ENOTSUP):
+        return False
+    raise OSError(err, os.strerror(err), str(b))
+
+
+def _swap(tree: Path, dest: Path) -> None:
+    """Put ``tree`` at ``dest`` in one step; the old contents end up at ``tree`` (then removed)."""
+    if not dest.exists():
+        os.rename(tree, dest)
+        return
+    if _renameat2_exchange(tree, dest):
+        shutil.rmtree(tree, ignore_errors=True)
+        return
+    # No atomic exchange on this filesystem: two renames; a crash between them leaves the old
+    # contents in a `.kiln-old` sibling that the next restore cleans up.
+    old = dest.parent / f".{dest.name}.kiln-old-{os.getpid()}"
+    os.rename(dest, old)
+    os.rename(tree, dest)
+    shutil.rmtree(old, ignore_errors=True)

@@ -1,0 +1,115 @@
+"""Starting ``kiln.worker`` in a fresh process with exactly the environment we mean.
+
+Inherited environment is the enemy of reproducible caches: a user's ``TORCHINDUCTOR_CACHE_DIR``
+would leak entries into a bake, a remote-cache switch would make a verify hit over the network.
+So the child gets the caller's environment minus every cache-location and remote-cache variable,
+plus what kiln sets. Its stderr (torch's chatter) goes to a log whose tail is shown on failure.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from kiln.errors import KilnError
+from kiln.spec import Spec, error_at
+
+Event = dict[str, Any]
+EventSink = Callable[[Event], None]
+
+# Variables that point torch at caches or remote caches: never inherited by a worker.
+_SCRUB_EXACT = frozenset(
+    {"TORCHINDUCTOR_CACHE_DIR", "TRITON_CACHE_DIR", "TRITON_HOME", "TORCHINDUCTOR_REDIS_HOST"}
+)
+_SCRUB_MARKERS = ("REMOTE_CACHE", "_REDIS_")
+
+
+def worker_env(extra: dict[str, str]) -> dict[str, str]:
+    env = {
+        k: v
+        for k, v in os.environ.items()
+        if k not in _SCRUB_EXACT and not any(m in k for m in _SCRUB_MARKERS)
+    }
+    src = str(Path(__file__).resolve().parent.parent)
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (src, env.get("PYTHONPATH", "")) if p)
+    env["PYTHONUNBUFFERED"] = "1"
+    env.update(extra)
+    return env
+
+
+@dataclass
+class WorkerRun:
+    result: dict[str, Any]
+    spawned: float  # wall clock when the process was started
+    ended: float
+    log: str
+
+    @property
+    def time_to_ready(self) -> float:
+        """Process start until every bucket has run once (interpreter + torch import included)."""
+        return float(self.result["first_pass_done"]) - self.spawned
+
+    @property
+    def time_to_warm(self) -> float:
+        return float(self.result["warm_done"]) - self.spawned
+
+
+class WorkerError(KilnError):
+    pass
+
+
+def run_worker(
+    spec: Spec,
+    request: dict[str, Any],
+    env: dict[str, str],
+    *,
+    on_event: EventSink | None = None,
+    timeout: float | None = None,
+) -> WorkerRun:
+    """Run one grid pass in a fresh interpreter; raise a :class:`KilnError` on failure."""
+    request = {"spec_path": str(spec.path), **request}
+    with tempfile.TemporaryDirectory(prefix="kiln-worker-") as tmp:
+        req, res, log = Path(tmp, "request.json"), Path(tmp, "result.json"), Path(tmp, "stderr.log")
+        req.write_text(json.dumps(request))
+        with open(log, "wb") as err:
+            spawned = time.time()
+            proc = subprocess.Popen(
+                [sys.executable, "-m", "kiln.worker", str(req), str(res)],
+                stdout=subprocess.PIPE,
+                stderr=err,
+                stdin=subprocess.DEVNULL,
+                env=worker_env(env),
+                text=True,
+            )
+            try:
+                assert proc.stdout is not None
+                for line in proc.stdout:
+                    if on_event and line.startswith("{"):
+                        with contextlib.suppress(json.JSONDecodeError):
+                            on_event(json.loads(line))
+                proc.wait(timeout=timeout)
+            except BaseException:
+                proc.kill()
+                proc.wait()
+                raise
+        ended = time.time()
+        log_text = log.read_text(errors="replace")
+        result = json.loads(res.read_text()) if res.exists() else None
+    if result is None:
+        tail = "\n".join(log_text.strip().splitlines()[-15:])
+        raise WorkerError(f"worker died with exit code {proc.returncode}:\n{tail}")
+    if not result.get("ok"):
+        if result.get("kind") == "spec":
+            raise error_at(spec, result["key"], result["message"])
+        tail = "\n".join(log_text.strip().splitlines()[-15:])
+        raise WorkerError(f"{result.get('message')}\n{tail}".strip())
+    return WorkerRun(result=result, spawned=spawned, ended=ended, log=log_text)

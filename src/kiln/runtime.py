@@ -1,0 +1,121 @@
+"""``kiln.activate(DIR)``: point this serving process at restored caches before it compiles.
+
+The no-code route is ``kiln.env`` (source it, or set its variables in the pod spec). activate()
+is for servers that prefer code: it sets the same environment, also pushes the values into torch's
+config objects when torch was imported already (some are read only at import), raises Dynamo's
+recompile limit to fit the baked grid (past the default of 8 shapes torch silently falls back to
+eager), checks compatibility, and hot-loads the Mega-Cache blob where this torch has it.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import sys
+import warnings
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal
+
+from kiln.artifact import read_manifest
+from kiln.check import CheckReport, compare_manifest
+from kiln.errors import IncompatibleError
+from kiln.verify import cache_env
+
+log = logging.getLogger("kiln")
+
+Compat = Literal["fail", "warn", "ignore"]
+
+# Env vars torch reads into config objects at import time: set them on the config too.
+_CONFIG_BACKED = {
+    "TORCH_COMPILE_JOB_ID": ("torch.compiler.config", "job_id"),
+    "TORCH_COMPILE_CACHE_KEY_TAG": ("torch.compiler.config", "cache_key_tag"),
+}
+
+
+class CompatWarning(UserWarning):
+    pass
+
+
+@dataclass
+class Activation:
+    cache_dir: Path
+    env: dict[str, str]
+    check: CheckReport | None
+    megacache_loaded: bool | None
+    recompile_limit: int | None
+    warnings: list[str] = field(default_factory=list)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "cache_dir": str(self.cache_dir),
+            "env": self.env,
+            "compatible": self.check.ok if self.check else None,
+            "misses": [f.name for f in self.check.misses] if self.check else [],
+            "megacache_loaded": self.megacache_loaded,
+            "recompile_limit": self.recompile_limit,
+            "warnings": self.warnings,
+        }
+
+
+def activate(
+    cache: str | Path,
+    *,
+    compat: Compat = "warn",
+    megacache: bool = True,
+    device_index: int = 0,
+) -> Activation:
+    """Make this process use the caches restored at ``cache``. Call before the first compile.
+
+    ``compat``: what to do when a factor in torch's cache keys differs — "fail" raises
+    :class:`IncompatibleError`, "warn" emits a :class:`CompatWarning`, "ignore" does neither.
+    """
+    cache = Path(cache).absolute()
+    manifest = read_manifest(cache)
+    env = cache_env(cache, manifest)
+    notes: list[str] = []
+    torch_loaded = "torch" in sys.modules
+    os.environ.update(env)
+
+    import torch
+
+    if torch_loaded:
+        from torch._dynamo.utils import counters
+
+        if counters["frames"]["total"]:
+            notes.append("activate() ran after torch.compile had already compiled frames")
+        for var, (module, attr) in _CONFIG_BACKED.items():
+            if var in env:
+                setattr(sys.modules[module], attr, env[var])
+    grid = len(manifest.grid)
+    limit = max(torch._dynamo.config.recompile_limit, 2 * grid + 2)
+    torch._dynamo.config.recompile_limit = limit
+
+    report = None
+    if compat != "ignore":
+        from kiln.fingerprint import fingerprint
+
+        device = manifest.fingerprint.get("device.type", "cpu")
+        report = compare_manifest(
+            manifest, fingerprint(device, device_index=device_index, keys=False)
+        )
+        if not report.ok:
+            names = ", ".join(
+                f"{f.name} (baked {f.baked!r}, here {f.here!r})" for f in report.misses
+            )
+            message = f"{manifest.name}: caches will miss: {names}"
+            if compat == "fail":
+                raise IncompatibleError(message, detail=report.to_dict())
+            warnings.warn(message, CompatWarning, stacklevel=2)
+            notes.append(message)
+
+    loaded = None
+    if megacache and manifest.megacache and hasattr(torch.compiler, "load_cache_artifacts"):
+        blob = (cache / manifest.megacache).read_bytes()
+        info = torch.compiler.load_cache_artifacts(blob)
+        loaded = info is not None
+        if not loaded:
+            notes.append("torch refused the Mega-Cache blob (the folder caches still apply)")
+    for note in notes:
+        log.warning("kiln: %s", note)
+    return Activation(cache, env, report, loaded, limit, notes)

@@ -1,0 +1,139 @@
+"""Verify: prove, in a fresh process, that a restored cache hits for the whole grid.
+
+Serving teams need a readiness gate, not a hope: verify runs every bucket against the restored
+folder in a new interpreter (as a pod would start), in a shuffled order (as traffic arrives),
+counts every kind of compile (FX/AOT misses, Triton kernels, new native objects), calls each
+bucket enough times that CUDA graphs are recorded, and fails (exit 6) naming the bucket and
+torch's own reason if anything compiled. ``--ready-file`` is written only on success.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from kiln.artifact import read_manifest
+from kiln.capture import INDUCTOR_DIR
+from kiln.check import CheckReport, compare_manifest
+from kiln.errors import NotFoundError
+from kiln.grid import expand, ordered
+from kiln.manifest import BucketStats, Manifest
+from kiln.runner import EventSink, run_worker
+from kiln.spec import Spec, load_spec
+
+
+@dataclass
+class VerifyReport:
+    name: str
+    order: list[str]
+    buckets: list[BucketStats]
+    check: CheckReport | None
+    time_to_ready_s: float
+    time_to_warm_s: float
+    spec_matches: bool
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def failing(self) -> list[BucketStats]:
+        return [b for b in self.buckets if b.compiles > 0]
+
+    @property
+    def ok(self) -> bool:
+        return not self.failing
+
+    def reasons(self) -> list[str]:
+        out = []
+        for b in self.failing:
+            why = (
+                b.recompile_reasons[-1].splitlines()[-1].strip("- ") if b.recompile_reasons else ""
+            )
+            factors = ", ".join(f.name for f in self.check.misses) if self.check else ""
+            hint = why or (f"environment differs: {factors}" if factors else "cache miss")
+            out.append(f"{b.key}: {b.compiles} compile(s) ({hint})")
+        return out
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "name": self.name,
+            "ok": self.ok,
+            "order": self.order,
+            "spec_matches": self.spec_matches,
+            "time_to_ready_s": round(self.time_to_ready_s, 3),
+            "time_to_warm_s": round(self.time_to_warm_s, 3),
+            "compiles": sum(b.compiles for b in self.buckets),
+            "failing": self.reasons(),
+            "buckets": [b.model_dump(mode="json") | {"compiles": b.compiles} for b in self.buckets],
+            "check": self.check.to_dict() if self.check else None,
+            **self.extra,
+        }
+
+
+def cache_env(cache: Path, manifest: Manifest) -> dict[str, str]:
+    """The same environment `kiln.env` exports (the no-code route to the caches)."""
+    return {
+        "TORCHINDUCTOR_CACHE_DIR": str(cache / INDUCTOR_DIR),
+        "KILN_CACHE_DIR": str(cache),
+        **manifest.env,
+    }
+
+
+def verify(
+    spec: Spec | str | Path,
+    cache: str | Path,
+    *,
+    order: str = "shuffle",
+    seed: int = 0,
+    device_index: int = 0,
+    ready_file: str | Path | None = None,
+    on_event: EventSink | None = None,
+) -> VerifyReport:
+    """Run ``spec``'s grid against the restored folder ``cache`` in a fresh process."""
+    spec = spec if isinstance(spec, Spec) else load_spec(spec)
+    cache = Path(cache).absolute()
+    if not (cache / INDUCTOR_DIR).is_dir():
+        raise NotFoundError(f"{cache}: no {INDUCTOR_DIR}/ folder (restore an artifact there first)")
+    manifest = read_manifest(cache)
+    buckets = ordered(expand(spec), order, seed)
+    run = run_worker(
+        spec,
+        {
+            "order": [b.key for b in buckets],
+            "calls": spec.warmup.calls,
+            "cache_root": str(cache / INDUCTOR_DIR),
+            "first_request": True,
+            "steady_calls": 10,
+            "fingerprint": True,
+            "device_index": device_index,
+        },
+        cache_env(cache, manifest),
+        on_event=on_event,
+    )
+    stats = [BucketStats.model_validate(b) for b in run.result["buckets"]]
+    for b in stats:
+        if b.compiles == 0:
+            b.recompile_reasons = []  # a re-trace that hit the cache is how a fresh process works
+    check = (
+        compare_manifest(manifest, run.result["fingerprint"]) if run.result["fingerprint"] else None
+    )
+    report = VerifyReport(
+        name=manifest.name,
+        order=[b.key for b in buckets],
+        buckets=stats,
+        check=check,
+        time_to_ready_s=run.time_to_ready,
+        time_to_warm_s=run.time_to_warm,
+        spec_matches=spec.sha256() == manifest.spec_sha256,
+    )
+    if ready_file is not None:
+        ready = Path(ready_file)
+        if report.ok:
+            ready.parent.mkdir(parents=True, exist_ok=True)
+            tmp = ready.with_name(f".{ready.name}.tmp")
+            tmp.write_text(json.dumps(report.to_dict(), indent=2))
+            os.replace(tmp, ready)
+        else:
+            ready.unlink(missing_ok=True)
+    return report

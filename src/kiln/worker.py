@@ -1,0 +1,301 @@
+"""The grid runner: runs a spec's buckets through torch.compile in *this* (fresh) process.
+
+kiln never compiles in the caller's process. Torch reads its cache locations and much of its
+Inductor config from the environment at import time, and keeps in-memory caches that would turn
+a cold compile into a fake hit, so bake, verify and bench each start ``python -m kiln.worker``
+with exactly the environment they mean and read back what it did. The same loop serves all three
+so that "what bake compiled" and "what verify hit" are measured the same way.
+
+Protocol: argv is ``REQUEST.json RESULT.json``; progress goes to stdout as JSON lines; the
+result (or the error) is written to RESULT.json; everything torch prints goes to stderr, which
+the parent keeps in a log.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib
+import json
+import logging
+import statistics
+import sys
+import time
+import traceback
+from pathlib import Path
+from typing import Any
+
+from kiln.capture import NATIVE_SUFFIXES, snapshot
+from kiln.grid import Bucket, expand
+from kiln.spec import Spec, load_spec
+
+_START = time.time()
+
+
+def _emit(event: str, **data: Any) -> None:
+    sys.stdout.write(json.dumps({"event": event, "t": time.time(), **data}) + "\n")
+    sys.stdout.flush()
+
+
+class _RecompileLog(logging.Handler):
+    """Keeps torch's own words for every recompile: verify names the reason, not just a count."""
+
+    def __init__(self) -> None:
+        super().__init__(logging.DEBUG)
+        self.messages: list[str] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.messages.append(record.getMessage())
+
+
+def _counters() -> dict[str, dict[str, int]]:
+    from torch._dynamo.utils import counters
+
+    return {k: dict(v) for k, v in counters.items()}
+
+
+def _compile_seconds() -> float:
+    from torch._dynamo.utils import compilation_time_metrics
+
+    return float(sum(compilation_time_metrics.get("_compile.compile_inner", [])))
+
+
+def _delta(
+    before: dict[str, dict[str, int]], after: dict[str, dict[str, int]], group: str, key: str
+) -> int:
+    return after.get(group, {}).get(key, 0) - before.get(group, {}).get(key, 0)
+
+
+def resolve_factory(spec: Spec) -> Any:
+    """Import the spec's factory, looking next to the spec file first."""
+    target, _, attr = spec.model.factory.partition(":")
+    if target.endswith(".py"):
+        origin = spec.factory_origin()
+        assert origin is not None
+        base, module_name = str(origin.parent), origin.stem
+    else:
+        base, module_name = str(spec.base_dir), target
+    sys.path.insert(0, base)
+    try:
+        module = importlib.import_module(module_name)
+    except ImportError as exc:
+        raise _SpecProblem("model.factory", f"cannot import {target!r}: {exc}") from exc
+    finally:
+        with contextlib.suppress(ValueError):
+            sys.path.remove(base)
+    obj: Any = module
+    for part in attr.split("."):
+        obj = getattr(obj, part, None)
+        if obj is None:
+            raise _SpecProblem("model.factory", f"{target!r} has no attribute {attr!r}")
+    if not callable(obj):
+        raise _SpecProblem("model.factory", f"{spec.model.factory!r} is not callable")
+    return obj
+
+
+class _SpecProblem(Exception):
+    def __init__(self, key: str, message: str) -> None:
+        super().__init__(message)
+        self.key = key
+
+
+def make_inputs(spec: Spec, bucket: Bucket, device: Any, seed: int) -> dict[str, Any]:
+    import torch
+
+    gen = torch.Generator(device="cpu").manual_seed(seed)
+    out: dict[str, Any] = {}
+    for inp in spec.inputs:
+        shape = bucket.shape_of(inp.shape)
+        dtype = getattr(torch, inp.dtype)
+        if inp.fill == "randint":
+            t = torch.randint(inp.low, inp.high or inp.low + 1, shape, generator=gen, dtype=dtype)
+        elif inp.fill == "randn":
+            t = torch.randn(shape, generator=gen, dtype=torch.float32).to(dtype)
+        elif inp.fill == "ones":
+            t = torch.ones(shape, dtype=dtype)
+        else:
+            t = torch.zeros(shape, dtype=dtype)
+        out[inp.name] = t.to(device)
+    return out
+
+
+def run(request: dict[str, Any]) -> dict[str, Any]:
+    import_start = time.time()
+    import torch
+
+    torch_import_s = time.time() - import_start
+    spec = load_spec(request["spec_path"])
+    device_index = int(request.get("device_index", 0))
+    device = torch.device(spec.model.device, device_index if spec.model.device == "cuda" else None)
+    if device.type == "cuda":
+        if not torch.cuda.is_available():
+            raise RuntimeError("spec asks for device cuda but torch sees no CUDA device")
+        torch.cuda.set_device(device)
+    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+    cache_root = Path(request["cache_root"]) if request.get("cache_root") else None
+
+    megacache: dict[str, Any] = {}
+    if request.get("megacache_load"):
+        blob = Path(request["megacache_load"]).read_bytes()
+        info = torch.compiler.load_cache_artifacts(blob)
+        megacache["loaded"] = info is not None
+        megacache["entries"] = _cache_info_counts(info)
+
+    buckets = {b.key: b for b in expand(spec)}
+    order = [buckets[k] for k in request["order"]]
+    torch._dynamo.config.recompile_limit = max(8, 2 * len(buckets) + 2)
+    torch._dynamo.config.accumulated_recompile_limit = max(256, 8 * len(buckets))
+    recompiles = _RecompileLog()
+    if request.get("compile", True):
+        torch._logging.set_logs(recompiles=True)
+        logging.getLogger("torch._dynamo.guards.__recompiles").addHandler(recompiles)
+
+    factory = resolve_factory(spec)
+    try:
+        model = factory(**spec.model.kwargs)
+    except TypeError as exc:
+        raise _SpecProblem("model.kwargs", f"factory rejected its kwargs: {exc}") from exc
+    if isinstance(model, torch.nn.Module):
+        model = model.to(device=device, dtype=getattr(torch, spec.model.dtype)).eval()
+    fn = (
+        torch.compile(model, **spec.compile.torch_kwargs())
+        if request.get("compile", True)
+        else model
+    )
+    call_kwargs = dict(spec.model.call_kwargs)
+    grid_index = {k: i for i, k in enumerate(buckets)}
+    calls = max(int(request.get("calls", 2)), 3 if spec.compile.mode == "reduce-overhead" else 1)
+    steady_calls = int(request.get("steady_calls", 5))
+    _emit("start", buckets=len(order), torch_import_s=torch_import_s)
+
+    stats: dict[str, dict[str, Any]] = {}
+
+    def timed_call(inputs: dict[str, Any]) -> float:
+        sync()
+        t0 = time.perf_counter()
+        fn(**inputs, **call_kwargs)
+        sync()
+        return time.perf_counter() - t0
+
+    def measure(bucket: Bucket, body: Any) -> dict[str, Any]:
+        before, c0, n0 = _counters(), _compile_seconds(), len(recompiles.messages)
+        files0 = snapshot(cache_root) if cache_root else set()
+        result = body()
+        after = _counters()
+        new = (snapshot(cache_root) - files0) if cache_root else set()
+        return {
+            "result": result,
+            "compile_s": _compile_seconds() - c0,
+            "fx_hits": _delta(before, after, "inductor", "fxgraph_cache_hit"),
+            "fx_misses": _delta(before, after, "inductor", "fxgraph_cache_miss"),
+            "fx_bypass": _delta(before, after, "inductor", "fxgraph_cache_bypass"),
+            "aot_hits": _delta(before, after, "aot_autograd", "autograd_cache_hit"),
+            "aot_misses": _delta(before, after, "aot_autograd", "autograd_cache_miss"),
+            "kernel_compiles": _delta(before, after, "inductor", "async_compile_cache_miss"),
+            "new_native": sum(1 for n in new if n.endswith(NATIVE_SUFFIXES)),
+            "unique_graphs": _delta(before, after, "stats", "unique_graphs"),
+            "graph_breaks": sum(after.get("graph_break", {}).values())
+            - sum(before.get("graph_break", {}).values()),
+            "recompile_reasons": recompiles.messages[n0:],
+        }
+
+    def add(into: dict[str, Any], more: dict[str, Any]) -> None:
+        for k, v in more.items():
+            if k == "result":
+                continue
+            into[k] = into.get(k, [] if isinstance(v, list) else 0) + v
+
+    with torch.inference_mode():
+        # Phase 1: every bucket once, in request order. "Ready" in bench terms ends here.
+        for i, bucket in enumerate(order):
+            seed = grid_index[bucket.key]
+            inputs = make_inputs(spec, bucket, device, seed)
+            m = measure(bucket, lambda inputs=inputs: timed_call(inputs))
+            stats[bucket.key] = {
+                "key": bucket.key,
+                "sizes": bucket.as_dict(),
+                "first_call_s": m["result"],
+            }
+            add(stats[bucket.key], m)
+            _emit("bucket", phase="first", index=i, key=bucket.key, first_call_s=m["result"])
+        first_pass_t = time.time()
+        _emit("first_pass_done")
+        # Phase 2: the remaining warmup calls (CUDA graphs record here), then a fresh "first real
+        # request" and the steady-state latency. Compiles here count too: a bucket that
+        # recompiles on its second call is not warm.
+        for i, bucket in enumerate(order):
+            seed = grid_index[bucket.key]
+            inputs = make_inputs(spec, bucket, device, seed)
+
+            def warm(
+                inputs: dict[str, Any] = inputs, bucket: Bucket = bucket
+            ) -> tuple[float | None, float]:
+                for _ in range(calls - 1):
+                    timed_call(inputs)
+                first_request = None
+                if request.get("first_request", False):
+                    fresh = make_inputs(spec, bucket, device, 10_000 + grid_index[bucket.key])
+                    first_request = timed_call(fresh)
+                steady = statistics.median(timed_call(inputs) for _ in range(max(1, steady_calls)))
+                return first_request, steady
+
+            m = measure(bucket, warm)
+            s = stats[bucket.key]
+            s["first_request_s"], s["steady_s"] = m["result"]
+            add(s, m)
+            _emit("bucket", phase="warm", index=i, key=bucket.key, steady_s=s["steady_s"])
+    warm_t = time.time()
+
+    if request.get("megacache_save"):
+        saved = torch.compiler.save_cache_artifacts()
+        if saved is not None:
+            Path(request["megacache_save"]).write_bytes(saved[0])
+            megacache["saved"] = True
+            megacache["entries"] = _cache_info_counts(saved[1])
+        else:
+            megacache["saved"] = False
+
+    fp = None
+    if request.get("fingerprint"):
+        from kiln.fingerprint import fingerprint
+
+        fp = fingerprint(spec.model.device, device_index=device_index)
+    return {
+        "buckets": [stats[b.key] for b in order],
+        "process_start": _START,
+        "torch_import_s": torch_import_s,
+        "first_pass_done": first_pass_t,
+        "warm_done": warm_t,
+        "megacache": megacache,
+        "fingerprint": fp,
+    }
+
+
+def _cache_info_counts(info: Any) -> dict[str, int]:
+    if info is None:
+        return {}
+    artifacts = getattr(info, "artifacts", None)
+    if isinstance(artifacts, dict):
+        return {k: len(v) for k, v in artifacts.items()}
+    return {k: len(v) for k, v in vars(info).items() if isinstance(v, list)}
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = sys.argv[1:] if argv is None else argv
+    request_path, result_path = Path(args[0]), Path(args[1])
+    request = json.loads(request_path.read_text())
+    try:
+        result = {"ok": True, **run(request)}
+        code = 0
+    except _SpecProblem as exc:
+        result = {"ok": False, "kind": "spec", "key": exc.key, "message": str(exc)}
+        code = 2
+    except Exception as exc:
+        traceback.print_exc()
+        result = {"ok": False, "kind": "internal", "message": f"{type(exc).__name__}: {exc}"}
+        code = 1
+    result_path.write_text(json.dumps(result))
+    return code
+
+
+if __name__ == "__main__":
+    sys.exit(main())
