@@ -128,6 +128,8 @@ class _CheckedReader:
 
     def read(self, n: int = -1) -> bytes:
         data = self._fh.read(n)
+        if (n < 0 or len(data) < n) and self._n + len(data) < self._size:
+            raise IntegrityError(f"{self._name} changed while packing the artifact")
         self._h.update(data)
         self._n += len(data)
         return data
@@ -203,5 +205,8 @@ def read_manifest(path: str | Path) -> Manifest:
         return parse_manifest(m.read_bytes())
     if not p.exists():
         raise NotFoundError(f"{p}: no such artifact")
-    with open(p, "rb") as fh, open_tar_stream(fh) as tar:
-        return read_manifest_member(tar)
+    try:
+        with open(p, "rb") as fh, open_tar_stream(fh) as tar:
+            return read_manifest_member(tar)
+    except (tarfile.TarError, zstandard.ZstdError, EOFError) as exc:
+        raise IntegrityError(f"{p}: not a readable kiln artifact: {exc}") from None

@@ -39,7 +39,7 @@ from kiln.storage import fetch, is_remote
 ENV_NAME = "kiln.env"
 STATE_NAME = ".kiln-installed.json"
 _CHUNK = 1 << 20
-_HEADROOM = 16 << 20
+_HEADROOM = 1 << 20
 
 Sink = Callable[[dict[str, Any]], None]
 
@@ -220,8 +220,9 @@ def _write_env_copy(dest: Path, env_file: str | Path | None) -> Path:
 def _require_space(where: Path, need: int, what: str) -> None:
     free = shutil.disk_usage(where).free
     if free < need + _HEADROOM:
+        shown = next((p for p in where.parents if ".kiln-staging-" not in p.name), where)
         raise KilnError(
-            f"{where}: not enough free space for {what}: need {_mib(need + _HEADROOM)}, "
+            f"{shown}: not enough free space for {what}: need {_mib(need + _HEADROOM)}, "
             f"have {_mib(free)}; nothing was changed"
         )
 

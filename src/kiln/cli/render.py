@@ -52,7 +52,7 @@ def fingerprint_table(fp: dict[str, Any], title: str = "environment") -> Table:
 
 def bucket_table(buckets: list[BucketStats], title: str, *, verify: bool = False) -> Table:
     table = Table(title=title, title_justify="left")
-    table.add_column("bucket")
+    table.add_column("bucket", no_wrap=True)
     table.add_column("first call", justify="right")
     if verify:
         table.add_column("first request", justify="right")

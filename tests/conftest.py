@@ -1,0 +1,107 @@
+"""Shared fixtures: real specs, one real CPU bake per session, and the CLI as users run it."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+MODELS = ROOT / "examples" / "models.py"
+
+# Blocks torch for the child: proves a command never imports it.
+NO_TORCH = "import sys; sys.modules['torch'] = None; sys.modules['triton'] = None; "
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    try:
+        import torch
+
+        has_cuda = torch.cuda.is_available()
+    except ImportError:
+        has_cuda = False
+    if has_cuda:
+        return
+    skip = pytest.mark.skip(reason="needs CUDA (run on the GPU machine)")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip)
+
+
+def mlp_spec(name: str = "tiny-mlp", *, dynamic: str = "false", buckets: str = "") -> str:
+    """A 12-line spec for the tiny MLP (tests count on its line numbers)."""
+    lines = [
+        f"name: {name}",
+        "model:",
+        f"  factory: {MODELS}:tiny_mlp",
+        "  kwargs: {dim: 16, hidden: 32}",
+        "  call_kwargs: {scale: 2.0}",
+        "compile:",
+        f"  dynamic: {dynamic}",
+        "inputs:",
+        "  - {name: x, shape: [batch, 16], dtype: float32, fill: randn}",
+        "buckets:",
+        *(f"  {b}" for b in (buckets or "batch: [2, 3, 5]").split("\n")),
+        "warmup: {calls: 2}",
+    ]
+    return "\n".join(lines) + "\n"
+
+
+@pytest.fixture
+def write_spec(tmp_path: Path):
+    def write(text: str, name: str = "spec.yaml") -> Path:
+        p = tmp_path / name
+        p.write_text(text)
+        return p
+
+    return write
+
+
+class Cli:
+    """Runs `python -m kiln` in a subprocess: real argv, real exit codes, real stdout/stderr."""
+
+    def __init__(self, cwd: Path) -> None:
+        self.cwd = cwd
+
+    def __call__(
+        self,
+        *args: str,
+        no_torch: bool = False,
+        env: dict[str, str] | None = None,
+        timeout: float = 900,
+    ) -> subprocess.CompletedProcess[str]:
+        argv = ["kiln", *map(str, args)]
+        code = (
+            f"{NO_TORCH if no_torch else ''}sys.argv = {argv!r}; from kiln.cli import main; main()"
+        )
+        if not no_torch:
+            code = "import sys; " + code
+        full_env = {**os.environ, "NO_COLOR": "1", "COLUMNS": "200", **(env or {})}
+        return subprocess.run(
+            [sys.executable, "-c", code],
+            cwd=self.cwd,
+            env=full_env,
+            capture_output=True,
+            text=True,
+            timeout=timeout,
+        )
+
+
+@pytest.fixture
+def cli(tmp_path: Path) -> Cli:
+    return Cli(tmp_path)
+
+
+@pytest.fixture(scope="session")
+def baked(tmp_path_factory: pytest.TempPathFactory):
+    """One real CPU bake of a 3-bucket MLP, shared by the tests that read artifacts."""
+    import kiln
+
+    d = tmp_path_factory.mktemp("baked")
+    spec_path = d / "spec.yaml"
+    spec_path.write_text(mlp_spec())
+    result = kiln.bake(spec_path, d / "tiny-mlp.kiln.tar.zst")
+    return spec_path, result

@@ -1,0 +1,297 @@
+"""Restore: hostile archives refused with DIR untouched; atomic, idempotent, locked, streamed."""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import http.server
+import json
+import os
+import signal
+import subprocess
+import sys
+import tarfile
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from kiln.errors import IntegrityError, KilnError, NotFoundError, UsageError
+from kiln.restore import ENV_NAME, restore
+from tests.archives import good_archive, manifest_for, reg, special, write_archive
+
+FILES = {"inductor/fxgraph/a/entry": b"A" * 1000, "inductor/xy/k.py": b"print(1)\n"}
+
+
+def tree(d: Path) -> dict[str, bytes]:
+    return {
+        p.relative_to(d).as_posix(): p.read_bytes() for p in sorted(d.rglob("*")) if p.is_file()
+    }
+
+
+@pytest.fixture
+def installed(tmp_path: Path) -> Path:
+    """A DIR that already holds a restored artifact: every attack must leave it as it was."""
+    dest = tmp_path / "cache"
+    restore(good_archive(tmp_path / "old.kiln.tar.zst", {"inductor/old": b"old"}), dest)
+    return dest
+
+
+def attack(tmp_path: Path, installed: Path, members, manifest_files=None, match: str = "") -> None:
+    before = tree(installed)
+    art = write_archive(
+        tmp_path / "evil.kiln.tar.zst", manifest_for(manifest_files or FILES), members
+    )
+    with pytest.raises(IntegrityError, match=match):
+        restore(art, installed)
+    assert tree(installed) == before
+    leftovers = [p.name for p in installed.parent.iterdir() if ".kiln-" in p.name]
+    assert leftovers == []
+
+
+def test_restore_layout_and_env(tmp_path: Path) -> None:
+    dest = tmp_path / "cache"
+    result = restore(
+        good_archive(tmp_path / "a.kiln.tar.zst", FILES), dest, env_file=tmp_path / "e"
+    )
+    assert (dest / "inductor/fxgraph/a/entry").read_bytes() == FILES["inductor/fxgraph/a/entry"]
+    assert json.loads((dest / "manifest.json").read_text())["name"] == "demo"
+    env = (dest / ENV_NAME).read_text()
+    assert f"export TORCHINDUCTOR_CACHE_DIR={dest / 'inductor'}" in env
+    assert (tmp_path / "e").read_text() == env
+    assert result.files == 2 and not result.noop
+    out = subprocess.run(
+        ["bash", "-c", f". {dest / ENV_NAME} && echo $TORCHINDUCTOR_CACHE_DIR"],
+        capture_output=True,
+        text=True,
+        check=True,
+    )
+    assert out.stdout.strip() == str(dest / "inductor")
+
+
+@pytest.mark.parametrize(
+    ("members", "match"),
+    [
+        ([reg("/etc/evil", b"x")], "absolute path"),
+        ([reg("inductor/../../evil", b"x")], "path traversal"),
+        ([reg("inductor/./x", b"x")], "path traversal"),
+        ([special("inductor/fxgraph/a/entry", tarfile.SYMTYPE, "/etc/passwd")], "symlink"),
+        ([special("inductor/fxgraph/a/entry", tarfile.LNKTYPE, "manifest.json")], "hardlink"),
+        ([special("inductor/dev", tarfile.CHRTYPE)], "device"),
+        ([special("inductor/fifo", tarfile.FIFOTYPE)], "fifo"),
+        ([reg("inductor/unlisted", b"x")], "not in the manifest"),
+        (
+            [reg("inductor/xy/k.py", FILES["inductor/xy/k.py"])] * 2,
+            "appears twice",
+        ),
+        ([reg("inductor/xy/k.py", b"print(1)\n" * 100)], "manifest says"),
+        ([reg("inductor/xy/k.py", b"print(2)\n")], "sha256 differs"),
+        ([reg("inductor/xy/k.py", FILES["inductor/xy/k.py"])], "missing 1 file"),
+    ],
+    ids=[
+        "absolute",
+        "dotdot",
+        "dot",
+        "symlink",
+        "hardlink",
+        "device",
+        "fifo",
+        "unlisted",
+        "duplicate",
+        "oversize",
+        "digest",
+        "missing",
+    ],
+)
+def test_hostile_archives_refused(tmp_path: Path, installed: Path, members, match: str) -> None:
+    attack(tmp_path, installed, members, match=match)
+
+
+def test_hostile_manifest_paths_refused(tmp_path: Path, installed: Path) -> None:
+    evil = {"../outside": b"x"}
+    attack(tmp_path, installed, [reg("../outside", b"x")], evil, match="path traversal")
+
+
+def test_manifest_not_first_refused(tmp_path: Path, installed: Path) -> None:
+    before = tree(installed)
+    art = write_archive(tmp_path / "x.kiln.tar.zst", None, [reg("inductor/x", b"x")])
+    with pytest.raises(IntegrityError, match="manifest.json is not the first member"):
+        restore(art, installed)
+    assert tree(installed) == before
+
+
+def test_truncated_and_bitflipped_refused(tmp_path: Path, installed: Path) -> None:
+    files = {f"inductor/f{i}": os.urandom(50_000) for i in range(8)}
+    art = good_archive(tmp_path / "big.kiln.tar.zst", files)
+    data = art.read_bytes()
+    before = tree(installed)
+    truncated = tmp_path / "trunc.kiln.tar.zst"
+    truncated.write_bytes(data[: len(data) * 2 // 3])
+    with pytest.raises(IntegrityError):
+        restore(truncated, installed)
+    flipped = bytearray(data)
+    flipped[len(data) // 2] ^= 0x01
+    bad = tmp_path / "flip.kiln.tar.zst"
+    bad.write_bytes(bytes(flipped))
+    with pytest.raises(IntegrityError):
+        restore(bad, installed)
+    assert tree(installed) == before
+
+
+def test_pinned_digest_checked_before_unpacking(tmp_path: Path, installed: Path) -> None:
+    art = good_archive(tmp_path / "a.kiln.tar.zst", FILES)
+    before = tree(installed)
+    with pytest.raises(IntegrityError, match="does not match the pinned"):
+        restore(art, installed, sha256="0" * 64)
+    assert tree(installed) == before
+    digest = hashlib.sha256(art.read_bytes()).hexdigest()
+    assert restore(art, installed, sha256=f"sha256:{digest}").sha256 == digest
+
+
+def test_idempotent_noop(tmp_path: Path) -> None:
+    art = good_archive(tmp_path / "a.kiln.tar.zst", FILES)
+    dest = tmp_path / "cache"
+    first = restore(art, dest)
+    marker = dest / "inductor/fxgraph/a/entry"
+    mtime = marker.stat().st_mtime_ns
+    again = restore(art, dest)
+    pinned = restore(art, dest, sha256=first.sha256)
+    assert again.noop and pinned.noop and not first.noop
+    assert marker.stat().st_mtime_ns == mtime
+
+
+def test_refuses_to_replace_foreign_folder(tmp_path: Path) -> None:
+    dest = tmp_path / "home"
+    dest.mkdir()
+    (dest / "precious.txt").write_text("user data")
+    with pytest.raises(UsageError, match="not a kiln folder"):
+        restore(good_archive(tmp_path / "a.kiln.tar.zst"), dest)
+    assert (dest / "precious.txt").read_text() == "user data"
+
+
+def test_missing_source_is_not_found(tmp_path: Path) -> None:
+    with pytest.raises(NotFoundError):
+        restore(tmp_path / "nope.kiln.tar.zst", tmp_path / "cache")
+
+
+def _restore_cmd(art: Path, dest: Path) -> list[str]:
+    code = f"from kiln.restore import restore; restore({str(art)!r}, {str(dest)!r})"
+    return [sys.executable, "-c", code]
+
+
+def test_killed_restore_leaves_previous_contents(tmp_path: Path, installed: Path) -> None:
+    files = {f"inductor/blob{i}": os.urandom(8 << 20) for i in range(12)}
+    art = good_archive(tmp_path / "big.kiln.tar.zst", files)
+    before = tree(installed)
+    proc = subprocess.Popen(_restore_cmd(art, installed))
+    deadline = time.time() + 60
+    while time.time() < deadline:
+        staging = list(installed.parent.glob(".cache.kiln-staging-*/tree/inductor/*"))
+        if staging:
+            break
+        time.sleep(0.005)
+    else:
+        proc.kill()
+        pytest.fail("restore never started unpacking")
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    assert tree(installed) == before
+    result = restore(art, installed)  # the rerun cleans up and completes
+    assert not result.noop and tree(installed)["inductor/blob3"] == files["inductor/blob3"]
+    assert [p.name for p in installed.parent.iterdir() if "staging" in p.name] == []
+
+
+def test_concurrent_restores_do_not_corrupt(tmp_path: Path) -> None:
+    a = {f"inductor/a{i}": os.urandom(1 << 20) for i in range(10)}
+    b = {f"inductor/b{i}": os.urandom(1 << 20) for i in range(10)}
+    art_a = good_archive(tmp_path / "a.kiln.tar.zst", a)
+    art_b = good_archive(tmp_path / "b.kiln.tar.zst", b)
+    dest = tmp_path / "cache"
+    procs = [subprocess.Popen(_restore_cmd(art, dest)) for art in (art_a, art_b, art_a, art_b)]
+    assert [p.wait() for p in procs] == [0, 0, 0, 0]
+    got = {k: v for k, v in tree(dest).items() if k.startswith("inductor/")}
+    assert got in (a, b)
+    manifest = json.loads((dest / "manifest.json").read_text())
+    assert {f["path"] for f in manifest["files"]} == set(got)
+
+
+@pytest.fixture
+def http_server(tmp_path: Path) -> Iterator[str]:
+    root = tmp_path / "www"
+    root.mkdir()
+    handler = functools.partial(http.server.SimpleHTTPRequestHandler, directory=str(root))
+
+    class Quiet(handler.func):  # type: ignore[name-defined,misc]
+        def log_message(self, *args: object) -> None:
+            pass
+
+    server = http.server.ThreadingHTTPServer(
+        ("127.0.0.1", 0), functools.partial(Quiet, directory=str(root))
+    )
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    yield f"http://127.0.0.1:{server.server_address[1]}"
+    server.shutdown()
+    server.server_close()
+
+
+def test_restore_over_http(tmp_path: Path, http_server: str) -> None:
+    art = good_archive(tmp_path / "www" / "a.kiln.tar.zst", FILES)
+    digest = hashlib.sha256(art.read_bytes()).hexdigest()
+    events: list[dict] = []
+    result = restore(
+        f"{http_server}/a.kiln.tar.zst", tmp_path / "cache", sha256=digest, on_event=events.append
+    )
+    assert result.sha256 == digest
+    assert any(e["event"] == "fetched" and e["total"] == art.stat().st_size for e in events)
+    with pytest.raises(NotFoundError, match="404"):
+        restore(f"{http_server}/missing.kiln.tar.zst", tmp_path / "cache2")
+    with pytest.raises(IntegrityError):
+        restore(f"{http_server}/a.kiln.tar.zst", tmp_path / "cache3", sha256="1" * 64)
+    assert not (tmp_path / "cache3").exists()
+
+
+def test_cli_restore_json_and_exit_codes(tmp_path: Path, cli, http_server: str) -> None:
+    art = good_archive(tmp_path / "www" / "a.kiln.tar.zst", FILES)
+    proc = cli(
+        "restore",
+        f"{http_server}/a.kiln.tar.zst",
+        "--dest",
+        tmp_path / "c",
+        "--json",
+        no_torch=True,
+    )
+    assert proc.returncode == 0, proc.stderr
+    assert json.loads(proc.stdout)["files"] == 2
+    proc = cli("restore", art, "--dest", tmp_path / "d", "--sha256", "0" * 64, no_torch=True)
+    assert proc.returncode == 3
+    assert "does not match the pinned" in proc.stderr
+    assert len(proc.stderr.strip().splitlines()) == 1
+    proc = cli("restore", tmp_path / "none.kiln.tar.zst", "--dest", tmp_path / "e", no_torch=True)
+    assert proc.returncode == 4
+
+
+@pytest.fixture
+def tiny_fs(tmp_path: Path) -> Iterator[Path]:
+    mnt = tmp_path / "small"
+    mnt.mkdir()
+    if subprocess.run(
+        ["mount", "-t", "tmpfs", "-o", "size=4m", "tmpfs", str(mnt)], capture_output=True
+    ).returncode:
+        pytest.skip("cannot mount a tmpfs here (needs root)")
+    yield mnt
+    subprocess.run(["umount", "-l", str(mnt)], check=False)
+
+
+def test_disk_full_is_clear_and_leaves_nothing(tmp_path: Path, tiny_fs: Path) -> None:
+    files = {f"inductor/f{i}": os.urandom(1 << 20) for i in range(6)}
+    art = good_archive(tmp_path / "big.kiln.tar.zst", files)
+    dest = tiny_fs / "cache"
+    restore(good_archive(tmp_path / "small.kiln.tar.zst", {"inductor/s": b"s"}), dest)
+    before = tree(dest)
+    with pytest.raises(KilnError, match="not enough free space"):
+        restore(art, dest)
+    assert tree(dest) == before
+    assert sorted(p.name for p in tiny_fs.iterdir()) == [".cache.kiln.lock", "cache"]
