@@ -117,7 +117,7 @@ def test_hostile_manifest_paths_refused(tmp_path: Path, installed: Path) -> None
 def test_manifest_not_first_refused(tmp_path: Path, installed: Path) -> None:
     before = tree(installed)
     art = write_archive(tmp_path / "x.kiln.tar.zst", None, [reg("inductor/x", b"x")])
-    with pytest.raises(IntegrityError, match="manifest.json is not the first member"):
+    with pytest.raises(IntegrityError, match=r"manifest\.json is not the first member"):
         restore(art, installed)
     assert tree(installed) == before
 

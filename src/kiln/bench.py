@@ -1,1 +1,237 @@
-def bench(): ...
+"""Bench: what does a baked cache buy, against eager, a cold compile and the stock alternatives?
+
+Each mode runs the whole grid in its own fresh process on this machine, in one run, so the numbers
+compare like with like: time-to-ready (process start → every bucket ran once, interpreter and
+torch import included), per-bucket first-call time, steady-state latency, and compiles counted.
+
+Modes: ``eager`` (no compile) · ``cold`` (torch.compile, empty cache) · ``kiln`` (restored from
+the artifact this run baked, at a new path, through ``kiln.env``) · ``megacache`` (the Mega-Cache
+blob alone, loaded into an empty cache folder) · ``copied`` (the raw cache folder copied to a new
+path: the hand-rolled approach). ``cold`` is the bake's own first pass unless ``cold_run`` asks
+for a separate bare loop: both are a fresh process compiling into an empty cache.
+"""
+
+from __future__ import annotations
+
+import shutil
+import statistics
+import tempfile
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from kiln.bake import BakeResult, bake, serving_env
+from kiln.capture import INDUCTOR_DIR, MEGACACHE_NAME
+from kiln.grid import expand, ordered
+from kiln.manifest import BucketStats
+from kiln.restore import restore
+from kiln.runner import EventSink, WorkerRun, run_worker
+from kiln.spec import Spec, load_spec
+from kiln.verify import cache_env
+
+MODES = ("eager", "cold", "kiln", "megacache", "copied")
+
+
+@dataclass
+class ModeResult:
+    mode: str
+    time_to_ready_s: float
+    time_to_warm_s: float
+    buckets: list[BucketStats]
+    note: str = ""
+
+    @property
+    def compiles(self) -> int:
+        return sum(b.compiles for b in self.buckets)
+
+    @property
+    def first_calls_s(self) -> float:
+        return sum(b.first_call_s for b in self.buckets)
+
+    @property
+    def worst_first_request_ratio(self) -> float | None:
+        """Max over buckets of first real request (after warmup) / steady latency."""
+        ratios = [
+            b.first_request_s / b.steady_s for b in self.buckets if b.first_request_s and b.steady_s
+        ]
+        return max(ratios) if ratios else None
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "mode": self.mode,
+            "time_to_ready_s": round(self.time_to_ready_s, 3),
+            "time_to_warm_s": round(self.time_to_warm_s, 3),
+            "first_calls_s": round(self.first_calls_s, 3),
+            "compiles": self.compiles,
+            "steady_median_s": statistics.median(b.steady_s for b in self.buckets),
+            "worst_first_request_ratio": self.worst_first_request_ratio,
+            "note": self.note,
+            "buckets": [b.model_dump(mode="json") | {"compiles": b.compiles} for b in self.buckets],
+        }
+
+
+@dataclass
+class BenchReport:
+    name: str
+    spec: dict[str, Any]
+    fingerprint: dict[str, Any]
+    modes: dict[str, ModeResult]
+    bake_wall_s: float
+    bare_compile_wall_s: float
+    artifact_bytes: int
+    restore_s: float
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    def ratio(self, a: str, b: str) -> float | None:
+        if a in self.modes and b in self.modes and self.modes[b].time_to_ready_s > 0:
+            return self.modes[a].time_to_ready_s / self.modes[b].time_to_ready_s
+        return None
+
+    def ratios(self) -> dict[str, float | None]:
+        out = {
+            f"{a}/{b}": self.ratio(a, b)
+            for a, b in (
+                ("kiln", "cold"),
+                ("kiln", "megacache"),
+                ("kiln", "copied"),
+                ("kiln", "eager"),
+                ("copied", "eager"),
+                ("megacache", "eager"),
+                ("cold", "eager"),
+            )
+        }
+        out["bake/bare_compile"] = (
+            self.bake_wall_s / self.bare_compile_wall_s if self.bare_compile_wall_s else None
+        )
+        return out
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "name": self.name,
+            "spec": self.spec,
+            "fingerprint": {k: v for k, v in self.fingerprint.items() if k not in ("inductor",)},
+            "bake_wall_s": round(self.bake_wall_s, 3),
+            "bare_compile_wall_s": round(self.bare_compile_wall_s, 3),
+            "artifact_bytes": self.artifact_bytes,
+            "restore_s": round(self.restore_s, 3),
+            "ratios": self.ratios(),
+            "modes": {k: v.to_dict() for k, v in self.modes.items()},
+            **self.extra,
+        }
+
+
+def _mode(mode: str, run: WorkerRun, note: str = "") -> ModeResult:
+    return ModeResult(
+        mode=mode,
+        time_to_ready_s=run.time_to_ready,
+        time_to_warm_s=run.time_to_warm,
+        buckets=[BucketStats.model_validate(b) for b in run.result["buckets"]],
+        note=note,
+    )
+
+
+def bench(
+    spec: Spec | str | Path,
+    *,
+    modes: tuple[str, ...] = MODES,
+    order: str = "shuffle",
+    seed: int = 0,
+    cold_run: bool = False,
+    workdir: str | Path | None = None,
+    on_event: EventSink | None = None,
+) -> BenchReport:
+    """Bake ``spec`` then time every mode in a fresh process; see the module docstring."""
+    import time
+
+    spec = spec if isinstance(spec, Spec) else load_spec(spec)
+    emit = on_event or (lambda _e: None)
+    work = Path(workdir) if workdir else Path(tempfile.mkdtemp(prefix=f"kiln-bench-{spec.name}-"))
+    work.mkdir(parents=True, exist_ok=True)
+    keys = [b.key for b in ordered(expand(spec), order, seed)]
+    env = serving_env(spec)
+    try:
+        emit({"event": "mode", "mode": "bake"})
+        baked: BakeResult = bake(
+            spec, work / "bench.kiln.tar.zst", keep_workdir=True, on_event=emit
+        )
+        assert baked.workdir is not None
+        results: dict[str, ModeResult] = {}
+        first = baked.runs[0]
+        bare_wall = first.ended - first.spawned
+        if "cold" in modes and not cold_run:
+            results["cold"] = _mode(
+                "cold", first, "the bake's first pass (fresh process, empty cache)"
+            )
+        t0 = time.time()
+        restored = work / "restored"
+        restore(baked.artifact, restored)
+        restore_s = time.time() - t0
+        copied = work / "copied" / INDUCTOR_DIR
+        shutil.copytree(baked.workdir / INDUCTOR_DIR, copied)
+
+        def run(mode: str, extra_env: dict[str, str], **request: Any) -> WorkerRun:
+            emit({"event": "mode", "mode": mode})
+            return run_worker(
+                spec,
+                {
+                    "order": keys,
+                    "calls": spec.warmup.calls,
+                    "first_request": True,
+                    "steady_calls": 10,
+                    **request,
+                },
+                extra_env,
+                on_event=emit,
+            )
+
+        def empty(name: str) -> Path:
+            p = work / name / INDUCTOR_DIR
+            p.mkdir(parents=True)
+            return p
+
+        if "eager" in modes:
+            results["eager"] = _mode(
+                "eager",
+                run("eager", {"TORCHINDUCTOR_CACHE_DIR": str(empty("eager"))}, compile=False),
+            )
+        if "cold" in modes and cold_run:
+            root = empty("cold")
+            r = run("cold", {**env, "TORCHINDUCTOR_CACHE_DIR": str(root)}, cache_root=str(root))
+            results["cold"] = _mode("cold", r)
+            bare_wall = r.ended - r.spawned
+        if "kiln" in modes:
+            r = run(
+                "kiln", cache_env(restored, baked.manifest), cache_root=str(restored / INDUCTOR_DIR)
+            )
+            results["kiln"] = _mode("kiln", r, "restored artifact at a new path, via kiln.env")
+        if "megacache" in modes and (baked.workdir / MEGACACHE_NAME).is_file():
+            root = empty("megacache")
+            r = run(
+                "megacache",
+                {**env, "TORCHINDUCTOR_CACHE_DIR": str(root)},
+                cache_root=str(root),
+                megacache_load=str(baked.workdir / MEGACACHE_NAME),
+            )
+            results["megacache"] = _mode(
+                "megacache", r, "Mega-Cache blob alone into an empty folder"
+            )
+        if "copied" in modes:
+            r = run(
+                "copied", {**env, "TORCHINDUCTOR_CACHE_DIR": str(copied)}, cache_root=str(copied)
+            )
+            results["copied"] = _mode("copied", r, "raw cache folder copied to a new path")
+        ordered_results = {m: results[m] for m in MODES if m in results}
+        return BenchReport(
+            name=spec.name,
+            spec=spec.canonical(),
+            fingerprint=baked.manifest.fingerprint,
+            modes=ordered_results,
+            bake_wall_s=baked.wall_s,
+            bare_compile_wall_s=bare_wall,
+            artifact_bytes=baked.size,
+            restore_s=restore_s,
+            extra={"order": keys, "cold_source": "separate run" if cold_run else "bake pass 1"},
+        )
+    finally:
+        if workdir is None:
+            shutil.rmtree(work, ignore_errors=True)

@@ -89,3 +89,4 @@ def snapshot(cache_root: Path) -> set[str]:
 
 
 NATIVE_SUFFIXES = (".so", ".cubin", ".hsaco")
+AUTOTUNE_SUFFIXES = (".best_config",)

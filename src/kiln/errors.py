@@ -30,6 +30,8 @@ class KilnError(Exception):
         self.message = message
         # Machine-readable context for --json error output (e.g. the differing factors).
         self.detail = detail
+        # True when the command already printed its JSON report: stdout must stay one document.
+        self.reported = False
 
 
 class UsageError(KilnError):

@@ -58,7 +58,10 @@ def relevant_env(environ: dict[str, str] | None = None) -> dict[str, str]:
     return {
         k: v
         for k, v in sorted(env.items())
-        if (k.startswith(_ENV_PREFIXES) or k in _ENV_EXACT) and k not in _ENV_IGNORED
+        if (k.startswith(_ENV_PREFIXES) or k in _ENV_EXACT)
+        and k not in _ENV_IGNORED
+        # Tool locations (torch sets TRITON_PTXAS_PATH itself when it first compiles).
+        and not (k.startswith("TRITON_") and k.endswith("_PATH"))
     }
 
 
@@ -138,7 +141,9 @@ def fingerprint(device: str = "cpu", *, device_index: int = 0, keys: bool = True
         k: _jsonable(v) for k, v in sorted(inductor_config.save_config_portable().items())
     }
     fp["env"] = relevant_env()
-    return fp
+    # Through JSON once, so a live fingerprint compares equal to one read from a manifest
+    # (tuples become lists, odd objects their repr).
+    return json.loads(json.dumps(fp, default=repr))
 
 
 def _driver_version() -> str | None:

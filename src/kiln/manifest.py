@@ -42,8 +42,12 @@ class BucketStats(_Model):
     fx_bypass: int = 0
     aot_hits: int = 0
     aot_misses: int = 0
-    kernel_compiles: int = 0  # Triton kernels compiled (async_compile misses)
-    new_native: int = 0  # C++ .so / cubin files that appeared: native compiles
+    # Kernels handed to AsyncCompile: in a fresh process that is every kernel *loaded*, cache hit
+    # or not (torch bumps its "async_compile_cache_miss" counter before looking anything up).
+    kernel_loads: int = 0
+    bundled_kernels: int = 0  # Triton kernels re-emitted from FX cache entries (not compiles)
+    new_native: int = 0  # new C++ .so / Triton .cubin files not explained by bundling: compiles
+    autotunes: int = 0  # GEMM autotuning runs + new .best_config files: re-benchmarking
     unique_graphs: int = 0
     graph_breaks: int = 0
     recompile_reasons: list[str] = Field(default_factory=list)
@@ -55,8 +59,8 @@ class BucketStats(_Model):
             self.fx_misses
             + self.fx_bypass
             + self.aot_misses
-            + self.kernel_compiles
             + self.new_native
+            + self.autotunes
         )
 
 

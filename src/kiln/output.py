@@ -139,7 +139,7 @@ def report_error(exc: BaseException, json_mode: bool) -> int:
     err.print(f"[bold red]kiln: error:[/] {first}", highlight=False, soft_wrap=True)
     if rest:
         err.print(rest, style="dim", highlight=False, soft_wrap=True)
-    if json_mode:
+    if json_mode and not getattr(exc, "reported", False):
         payload = {"error": message, "exit_code": code, "detail": detail}
         sys.stdout.write(json.dumps(payload, indent=2, default=str) + "\n")
     return code

@@ -24,7 +24,7 @@ import traceback
 from pathlib import Path
 from typing import Any
 
-from kiln.capture import NATIVE_SUFFIXES, snapshot
+from kiln.capture import AUTOTUNE_SUFFIXES, NATIVE_SUFFIXES, snapshot
 from kiln.grid import Bucket, expand
 from kiln.spec import Spec, load_spec
 
@@ -182,6 +182,7 @@ def run(request: dict[str, Any]) -> dict[str, Any]:
         result = body()
         after = _counters()
         new = (snapshot(cache_root) - files0) if cache_root else set()
+        bundled = _delta(before, after, "inductor", "triton_bundler_read_and_emit_kernel")
         return {
             "result": result,
             "compile_s": _compile_seconds() - c0,
@@ -190,8 +191,11 @@ def run(request: dict[str, Any]) -> dict[str, Any]:
             "fx_bypass": _delta(before, after, "inductor", "fxgraph_cache_bypass"),
             "aot_hits": _delta(before, after, "aot_autograd", "autograd_cache_hit"),
             "aot_misses": _delta(before, after, "aot_autograd", "autograd_cache_miss"),
-            "kernel_compiles": _delta(before, after, "inductor", "async_compile_cache_miss"),
-            "new_native": sum(1 for n in new if n.endswith(NATIVE_SUFFIXES)),
+            "kernel_loads": _delta(before, after, "inductor", "async_compile_cache_miss"),
+            "bundled_kernels": bundled,
+            "new_native": max(0, sum(1 for n in new if n.endswith(NATIVE_SUFFIXES)) - bundled),
+            "autotunes": _delta(before, after, "inductor", "select_algorithm_autotune")
+            + sum(1 for n in new if n.endswith(AUTOTUNE_SUFFIXES)),
             "unique_graphs": _delta(before, after, "stats", "unique_graphs"),
             "graph_breaks": sum(after.get("graph_break", {}).values())
             - sum(before.get("graph_break", {}).values()),

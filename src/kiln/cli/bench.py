@@ -1,9 +1,114 @@
-"""`kiln bench`: what does a baked cache buy? (filled in by the GPU issue)"""
+"""`kiln bench`: eager vs cold vs kiln vs the stock alternatives, as a table to paste."""
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import typer
+from rich.console import Console
+from rich.table import Table
+
+from kiln.cli.options import JSON, QUIET
+from kiln.cli.render import human_bytes, ms
+from kiln.output import Output
 
 
 def register(app: typer.Typer) -> None:
-    pass
+    app.command("bench")(bench_cmd)
+
+
+def _x(value: float | None) -> str:
+    return "-" if value is None else f"{value:.2f}×"
+
+
+def bench_cmd(
+    spec: Path = typer.Argument(..., help="Model spec (YAML)."),
+    modes: str = typer.Option(
+        "eager,cold,kiln,megacache,copied", "--modes", help="Comma-separated modes to run."
+    ),
+    order: str = typer.Option("shuffle", "--order", help="Request order: shuffle, grid, reverse."),
+    cold_run: bool = typer.Option(
+        False, "--cold-run", help="Time a separate bare compile (default: the bake's first pass)."
+    ),
+    workdir: Path = typer.Option(None, "--workdir", help="Keep artifacts and caches here."),
+    save: Path = typer.Option(None, "--save", help="Also write the JSON report to this file."),
+    json_: bool = JSON,
+    quiet: bool = QUIET,
+) -> None:
+    """Bake SPEC, then time every mode in its own fresh process and print the ratios."""
+    from kiln.bench import bench
+
+    o = Output(json_, quiet)
+    with o.progress() as sink:
+        report = bench(
+            spec,
+            modes=tuple(m.strip() for m in modes.split(",") if m.strip()),
+            order=order,
+            cold_run=cold_run,
+            workdir=workdir,
+            on_event=sink,
+        )
+
+    def human(c: Console) -> None:
+        fp = report.fingerprint
+        where = fp.get("gpu.name") or fp.get("cpu.model") or "cpu"
+        table = Table(
+            title=f"{report.name} on {where} · torch {fp.get('torch.version')} · "
+            f"triton {fp.get('triton.version')}",
+            title_justify="left",
+        )
+        for col in (
+            "mode",
+            "time to ready",
+            "vs eager",
+            "Σ first calls",
+            "max first call",
+            "steady (median)",
+            "compiles",
+        ):
+            table.add_column(col, justify="left" if col == "mode" else "right")
+        eager = report.modes.get("eager")
+        for m in report.modes.values():
+            vs = m.time_to_ready_s / eager.time_to_ready_s if eager else None
+            d = m.to_dict()
+            table.add_row(
+                m.mode,
+                ms(m.time_to_ready_s),
+                _x(vs),
+                ms(m.first_calls_s),
+                ms(max(b.first_call_s for b in m.buckets)),
+                ms(d["steady_median_s"]),
+                str(m.compiles),
+            )
+        c.print(table)
+        r = report.ratios()
+        c.print(
+            "kiln/cold "
+            + _x(r["kiln/cold"])
+            + " · kiln/megacache "
+            + _x(r["kiln/megacache"])
+            + " · kiln/copied "
+            + _x(r["kiln/copied"])
+            + " · kiln/eager "
+            + _x(r["kiln/eager"])
+            + " · bake/bare compile "
+            + _x(r["bake/bare_compile"])
+        )
+        k = report.modes.get("kiln")
+        if k and k.worst_first_request_ratio:
+            c.print(
+                "kiln: worst first real request after warmup = "
+                f"{_x(k.worst_first_request_ratio)} steady"
+            )
+        c.print(
+            f"artifact {human_bytes(report.artifact_bytes)} · restore {ms(report.restore_s)} · "
+            f"order {report.extra['order'][:4]}{'…' if len(report.extra['order']) > 4 else ''} · "
+            f"cold = {report.extra['cold_source']}"
+        )
+
+    if save is not None:
+        import json
+
+        save.parent.mkdir(parents=True, exist_ok=True)
+        save.write_text(json.dumps(report.to_dict(), indent=2, default=str) + "\n")
+    o.emit(report.to_dict(), human)

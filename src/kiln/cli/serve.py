@@ -10,8 +10,13 @@ from rich.table import Table
 
 from kiln.cli.options import DEVICE_INDEX, JSON, QUIET
 from kiln.cli.render import bucket_table, ms
-from kiln.errors import IncompatibleError, VerificationError
+from kiln.errors import IncompatibleError, KilnError, VerificationError
 from kiln.output import Output
+
+
+def _reported(exc: KilnError) -> KilnError:
+    exc.reported = True  # the JSON report is already on stdout
+    return exc
 
 
 def register(app: typer.Typer) -> None:
@@ -55,9 +60,11 @@ def check_cmd(
 
     Output(json_).emit(report.to_dict(), human)
     if not report.ok:
-        raise IncompatibleError(
-            "caches would miss: "
-            + ", ".join(f"{f.name} ({f.baked!r} → {f.here!r})" for f in report.misses)
+        raise _reported(
+            IncompatibleError(
+                "caches would miss: "
+                + ", ".join(f"{f.name} ({f.baked!r} → {f.here!r})" for f in report.misses)
+            )
         )
 
 
@@ -100,4 +107,4 @@ def verify_cmd(
 
     o.emit(report.to_dict(), human)
     if not report.ok:
-        raise VerificationError("; ".join(report.reasons()))
+        raise _reported(VerificationError("; ".join(report.reasons())))

@@ -1,0 +1,33 @@
+# One entry point for a fresh machine. `make demo` runs kiln's main job on the bundled example
+# (bake → restore → verify, on CPU); `make test` runs lint and the test suite (what CI runs).
+PYTHON ?= python3
+VENV ?= .venv
+BIN := $(VENV)/bin
+# The pinned CPU build goes in first: a bare `torch` requirement would pull a multi-GB CUDA build.
+TORCH ?= torch==2.13.0
+
+.PHONY: venv test demo clean
+
+$(VENV)/.installed: pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(BIN)/python -m pip install -q --upgrade pip
+	$(BIN)/python -m pip install -q "$(TORCH)"
+	$(BIN)/python -m pip install -q -e '.[test]'
+	touch $@
+
+venv: $(VENV)/.installed
+
+test: venv
+	$(BIN)/ruff check src tests examples
+	$(BIN)/ruff format --check src tests examples
+	$(BIN)/python -m pytest -q
+
+demo: venv
+	$(BIN)/kiln bake configs/tiny-gpt.yaml -o out/tiny-gpt.kiln.tar.zst
+	$(BIN)/kiln inspect out/tiny-gpt.kiln.tar.zst
+	$(BIN)/kiln restore out/tiny-gpt.kiln.tar.zst --dest out/cache
+	$(BIN)/kiln check out/cache
+	$(BIN)/kiln verify configs/tiny-gpt.yaml --cache out/cache --order shuffle
+
+clean:
+	rm -rf out $(VENV)

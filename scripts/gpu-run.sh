@@ -1,0 +1,32 @@
+#!/usr/bin/env bash
+# One device-machine call: install carried wheels, run the GPU tests, then the benchmarks.
+# Usage (on the GPU machine, from the repo root): scripts/gpu-run.sh [tests|bench SPEC...]
+# Writes logs and JSON to $OUT (or ./out/gpu) and prints a short table last.
+set -uo pipefail
+OUT=${OUT:-out/gpu}
+mkdir -p "$OUT"
+if [ -d .whl ]; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+    --target /tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site:$PWD/src || exit 1
+else
+  export PYTHONPATH=$PWD/src
+fi
+export PYTHONUNBUFFERED=1
+python3 - <<'PY'
+import torch, triton
+print("torch", torch.__version__, "triton", triton.__version__, "cuda", torch.version.cuda,
+      torch.cuda.get_device_name(0), "gpus", torch.cuda.device_count())
+PY
+what=${1:-tests}; shift || true
+if [ "$what" = tests ]; then
+  python3 -m pytest -q -m gpu -p no:cacheprovider -s tests/test_gpu.py "$@" 2>&1 | tee "$OUT/gpu-tests.log" | grep -vE "^\s*$" | tail -40
+  exit "${PIPESTATUS[0]}"
+fi
+# Start another spec only while at least MIN_LEFT_S of BUDGET_S remain (device calls are capped).
+BUDGET_S=${BUDGET_S:-560}; MIN_LEFT_S=${MIN_LEFT_S:-200}
+for spec in "$@"; do
+  name=$(basename "$spec" .yaml)
+  if [ $((BUDGET_S - SECONDS)) -lt "$MIN_LEFT_S" ]; then echo "skip $name: ${SECONDS}s used"; continue; fi
+  COLUMNS=160 python3 -m kiln bench "$spec" -q --save "$OUT/bench-$name.json" 2> "$OUT/bench-$name.err" \
+    || { echo "bench $name failed"; tail -20 "$OUT/bench-$name.err"; }
+done

@@ -1,0 +1,35 @@
+"""`kiln bench` on CPU: every mode runs in its own process; kiln compiles nothing, cold does."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from tests.conftest import mlp_spec
+
+pytestmark = pytest.mark.slow
+
+
+def test_bench_modes_and_ratios(write_spec, cli, tmp_path: Path) -> None:
+    spec = write_spec(mlp_spec("bench-mlp", buckets="batch: [2, 7]"))
+    saved = tmp_path / "bench.json"
+    proc = cli("bench", spec, "--json", "--save", saved)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    report = json.loads(proc.stdout)
+    assert report == json.loads(saved.read_text())
+    modes = report["modes"]
+    assert list(modes) == ["eager", "cold", "kiln", "megacache", "copied"]
+    assert modes["cold"]["compiles"] > 0
+    assert modes["kiln"]["compiles"] == 0
+    assert modes["copied"]["compiles"] == 0
+    assert modes["eager"]["compiles"] == 0
+    # The Mega-Cache blob carries no C++ .so: torch rebuilds them (the gap kiln closes).
+    assert modes["megacache"]["compiles"] > 0
+    for m in modes.values():
+        assert m["time_to_ready_s"] > 0 and len(m["buckets"]) == 2
+    assert report["ratios"]["kiln/cold"] > 0
+    human = cli("bench", spec, "--modes", "eager,kiln")
+    assert human.returncode == 0, human.stderr[-2000:]
+    assert "time to ready" in human.stdout and "kiln" in human.stdout

@@ -1,0 +1,104 @@
+"""GPU path on a CUDA machine: Triton, autotune and CUDA-graph caches hit after restore.
+
+Skipped without CUDA (conftest); run on the GPU machine with `pytest -m gpu`.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+import kiln
+from tests.conftest import MODELS
+
+pytestmark = [pytest.mark.gpu, pytest.mark.slow]
+
+
+def gpt_spec(name: str, mode: str) -> str:
+    # max-autotune benchmarks every GEMM at bake time: a smaller grid keeps the run short.
+    seqs = "[64]" if mode.startswith("max-autotune") else "[64, 256]"
+    return "\n".join(
+        [
+            f"name: {name}",
+            "model:",
+            f"  factory: {MODELS}:tiny_gpt",
+            "  kwargs: {vocab: 512, dim: 128, layers: 2, heads: 4}",
+            "  dtype: bfloat16",
+            "  device: cuda",
+            "compile:",
+            f"  mode: {mode}",
+            "  dynamic: false",
+            "inputs:",
+            "  - {name: input_ids, shape: [batch, seq], dtype: int64, fill: randint,",
+            "     low: 0, high: 512}",
+            "buckets:",
+            "  batch: [1, 4]",
+            f"  seq: {seqs}",
+            "warmup: {calls: 3}",
+            "",
+        ]
+    )
+
+
+def breakdown(report) -> dict:
+    fields = (
+        "fx_hits",
+        "fx_misses",
+        "aot_misses",
+        "new_native",
+        "autotunes",
+        "kernel_loads",
+        "bundled_kernels",
+    )
+    return {b.key: {f: getattr(b, f) for f in fields} for b in report.buckets}
+
+
+@pytest.fixture(scope="module", params=["default", "reduce-overhead", "max-autotune-no-cudagraphs"])
+def gpu_baked(request, tmp_path_factory):
+    d = tmp_path_factory.mktemp(f"gpu-{request.param}")
+    spec = d / "spec.yaml"
+    spec.write_text(gpt_spec(f"gpt-{request.param}", request.param))
+    result = kiln.bake(spec, d / "a.kiln.tar.zst")
+    return request.param, spec, result
+
+
+def test_bake_compiled_triton_kernels(gpu_baked) -> None:
+    """The counters must see the cold compile, or a zero in verify would prove nothing."""
+    mode, _, result = gpu_baked
+    m = result.manifest
+    assert sum(b.new_native for b in m.grid) > 0
+    if mode.startswith("max-autotune"):
+        assert sum(b.autotunes for b in m.grid) > 0
+    assert m.fingerprint["gpu.name"] and m.fingerprint["gpu.capability"]
+    assert "triton" in m.bytes_by_kind()
+
+
+def test_restored_cache_compiles_nothing_anywhere_in_any_order(gpu_baked, tmp_path: Path) -> None:
+    """Two unrelated paths, two request orders: no FX/AOT miss, no Triton compile, no autotune.
+
+    The second path also answers whether Triton's cache survives relocation.
+    """
+    mode, spec, result = gpu_baked
+    for where, order, seed in (("a/cache", "shuffle", 1), ("some/where/else/cache", "reverse", 0)):
+        dest = tmp_path / where
+        kiln.restore(result.artifact, dest)
+        report = kiln.verify(spec, dest, order=order, seed=seed)
+        detail = json.dumps(breakdown(report))
+        assert report.ok, (mode, where, report.reasons(), detail)
+        print(
+            mode,
+            where,
+            order,
+            json.dumps({b.key: round(b.first_call_s, 3) for b in report.buckets}),
+        )
+        print("  ", detail)
+
+
+def test_other_device_index_is_named(gpu_baked, cli) -> None:
+    _, _, result = gpu_baked
+    proc = cli("check", result.artifact, "--device-index", "1", "--json")
+    assert proc.returncode == 5
+    assert "device.index" in json.loads(proc.stdout)["misses"]
+    assert "device.index" in proc.stderr

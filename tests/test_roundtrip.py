@@ -1,0 +1,196 @@
+"""Real torch.compile on CPU: bake, restore elsewhere, then verify, check and activate."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+import kiln
+from kiln.errors import KilnError
+from tests.conftest import mlp_spec
+
+pytestmark = pytest.mark.slow
+
+
+def test_bake_manifest_lists_every_file_with_its_digest(baked, tmp_path: Path) -> None:
+    _, result = baked
+    out = tmp_path / "plain"
+    out.mkdir()
+    subprocess.run(["tar", "--zstd", "-xf", str(result.artifact), "-C", str(out)], check=True)
+    on_disk = {p.relative_to(out).as_posix() for p in out.rglob("*") if p.is_file()} - {
+        "manifest.json"
+    }
+    listed = {f.path: f for f in result.manifest.files}
+    assert on_disk == set(listed)
+    for path, entry in listed.items():
+        data = (out / path).read_bytes()
+        assert len(data) == entry.size
+        assert hashlib.sha256(data).hexdigest() == entry.sha256
+    kinds = result.manifest.bytes_by_kind()
+    assert {"fxgraph", "native", "megacache"} <= set(kinds)
+    assert not any("/locks/" in p for p in listed)
+    assert hashlib.sha256(result.artifact.read_bytes()).hexdigest() == result.sha256
+
+
+def test_bake_records_stats_and_fingerprint(baked) -> None:
+    _, result = baked
+    m = result.manifest
+    assert [b.key for b in m.grid] == ["batch=2", "batch=3", "batch=5"]
+    for b in m.grid:
+        assert b.fx_misses >= 1 and b.compile_s > 0 and b.first_call_s >= b.compile_s
+        assert 0 < b.steady_s < b.first_call_s
+    fp = m.fingerprint
+    assert fp["torch.version"].startswith("2.") and fp["cpu.isa"] and len(fp["torch.key"]) == 64
+    assert "fallback_random" in fp["inductor"]
+
+
+def test_roundtrip_zero_compiles_in_any_order(baked, tmp_path: Path, cli) -> None:
+    spec_path, result = baked
+    dest = tmp_path / "elsewhere" / "cache"
+    kiln.restore(result.artifact, dest)
+    for order, seed in (("shuffle", 1), ("reverse", 0)):
+        report = kiln.verify(spec_path, dest, order=order, seed=seed)
+        assert report.ok, report.reasons()
+        assert sum(b.fx_hits for b in report.buckets) >= 3
+        assert report.spec_matches and report.check is not None and report.check.ok
+        cold = {b.key: b.first_call_s for b in result.manifest.grid}
+        # Reported, not asserted (timing lives in benchmarks):
+        print(
+            order,
+            {b.key: (round(b.first_call_s, 3), round(cold[b.key], 3)) for b in report.buckets},
+        )
+    ready = tmp_path / "ready.json"
+    proc = cli("verify", spec_path, "--cache", dest, "--ready-file", ready, "--json")
+    assert proc.returncode == 0, proc.stderr
+    body = json.loads(proc.stdout)
+    assert body["ok"] and body["compiles"] == 0
+    assert json.loads(ready.read_text())["ok"]
+
+
+def test_verify_fails_with_exit_6_on_a_cold_cache(baked, tmp_path: Path, cli) -> None:
+    spec_path, result = baked
+    dest = tmp_path / "cache"
+    kiln.restore(result.artifact, dest)
+    shutil.rmtree(dest / "inductor")
+    (dest / "inductor").mkdir()
+    ready = tmp_path / "ready"
+    ready.write_text("stale")
+    proc = cli("verify", spec_path, "--cache", dest, "--order", "grid", "--ready-file", ready)
+    assert proc.returncode == 6, proc.stderr
+    assert "batch=2: " in proc.stderr and "compile(s)" in proc.stderr
+    assert not ready.exists()
+
+
+def test_check_names_the_differing_factor(baked, cli) -> None:
+    _, result = baked
+    ok = cli("check", result.artifact, "--json")
+    assert ok.returncode == 0, ok.stderr
+    assert json.loads(ok.stdout)["ok"] is True
+    bad = cli(
+        "check",
+        result.artifact,
+        "--json",
+        env={"TORCH_COMPILE_CACHE_KEY_TAG": "other", "TORCHINDUCTOR_MAX_AUTOTUNE": "1"},
+    )
+    assert bad.returncode == 5
+    report = json.loads(bad.stdout)
+    assert {"env.TORCH_COMPILE_CACHE_KEY_TAG", "inductor.max_autotune"} <= set(report["misses"])
+    assert "inductor.max_autotune" in bad.stderr
+
+
+def test_verify_names_environment_factor_on_miss(baked, tmp_path: Path, cli) -> None:
+    spec_path, result = baked
+    dest = tmp_path / "cache"
+    kiln.restore(result.artifact, dest)
+    proc = cli(
+        "verify",
+        spec_path,
+        "--cache",
+        dest,
+        "--json",
+        env={"TORCHINDUCTOR_MAX_AUTOTUNE_POINTWISE": "1"},
+    )
+    assert proc.returncode == 6
+    assert "inductor.max_autotune_pointwise" in json.loads(proc.stdout)["failing"][0]
+
+
+def test_activate_route_hits_in_a_server_process(baked, tmp_path: Path) -> None:
+    _, result = baked
+    dest = tmp_path / "cache"
+    kiln.restore(result.artifact, dest)
+    server = f"""
+import sys, json, torch
+sys.path.insert(0, {str(Path(__file__).resolve().parent.parent / "examples")!r})
+import kiln
+act = kiln.activate({str(dest)!r}, compat="fail")
+from models import tiny_mlp
+m = torch.compile(tiny_mlp(16, 32), dynamic=False)
+from torch._dynamo.utils import counters
+with torch.inference_mode():
+    for b in (5, 2, 3):
+        m(torch.randn(b, 16), scale=2.0)
+print(json.dumps({{"act": act.to_dict(), "inductor": dict(counters["inductor"])}}))
+"""
+    proc = subprocess.run(
+        [sys.executable, "-c", server], capture_output=True, text=True, timeout=300
+    )
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    out = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert out["act"]["compatible"] is True
+    assert out["inductor"].get("fxgraph_cache_miss", 0) == 0
+    assert out["inductor"]["fxgraph_cache_hit"] == 3
+
+
+def test_automatic_dynamic_is_order_independent(write_spec, tmp_path: Path) -> None:
+    spec_path = write_spec(mlp_spec("dyn-mlp", dynamic="null", buckets="batch: [2, 3, 5, 8]"))
+    result = kiln.bake(spec_path, tmp_path / "dyn.kiln.tar.zst")
+    assert result.manifest.env["TORCH_COMPILE_JOB_ID"] == "kiln-dyn-mlp"
+    assert len(result.manifest.passes) >= 2
+    assert result.manifest.passes[-1].compiles == 0
+    dest = tmp_path / "cache"
+    kiln.restore(result.artifact, dest)
+    for seed in (1, 2, 3):
+        report = kiln.verify(spec_path, dest, order="shuffle", seed=seed)
+        assert report.ok, (report.order, report.reasons())
+
+
+def test_failed_bake_leaves_no_artifact(write_spec, tmp_path: Path, cli) -> None:
+    (tmp_path / "flaky.py").write_text(
+        "import torch\n"
+        "class M(torch.nn.Module):\n"
+        "    def forward(self, x):\n"
+        "        if x.shape[0] == 3:\n"
+        "            raise RuntimeError('boom on batch 3')\n"
+        "        return x * 2\n"
+        "def make():\n"
+        "    return M()\n"
+    )
+    text = mlp_spec().replace(
+        f"{Path(__file__).resolve().parent.parent / 'examples' / 'models.py'}:tiny_mlp",
+        "flaky.py:make",
+    )
+    text = text.replace("  kwargs: {dim: 16, hidden: 32}\n  call_kwargs: {scale: 2.0}\n", "")
+    spec_path = write_spec(text)
+    out = tmp_path / "out" / "flaky.kiln.tar.zst"
+    with pytest.raises(KilnError, match="boom on batch 3"):
+        kiln.bake(spec_path, out)
+    assert not out.exists()
+    assert not out.parent.exists() or list(out.parent.iterdir()) == []
+    proc = cli("bake", spec_path, "-o", out)
+    assert proc.returncode == 1
+    errors = [line for line in proc.stderr.splitlines() if line.startswith("kiln: error:")]
+    assert len(errors) == 1 and "boom on batch 3" in errors[0]
+    assert not out.exists()
+
+
+def test_factory_error_is_a_spec_error(write_spec, tmp_path: Path, cli) -> None:
+    text = mlp_spec().replace(":tiny_mlp", ":no_such_factory")
+    proc = cli("bake", write_spec(text), "-o", tmp_path / "x.kiln.tar.zst")
+    assert proc.returncode == 2
+    assert ":3:3: model.factory: " in proc.stderr and "no_such_factory" in proc.stderr
