@@ -55,13 +55,7 @@ class BucketStats(_Model):
     @property
     def compiles(self) -> int:
         """Everything that compiled in this bucket: zero is the definition of a warm cache."""
-        return (
-            self.fx_misses
-            + self.fx_bypass
-            + self.aot_misses
-            + self.new_native
-            + self.autotunes
-        )
+        return self.fx_misses + self.fx_bypass + self.aot_misses + self.new_native + self.autotunes
 
 
 class PassStats(_Model):

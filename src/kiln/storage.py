@@ -9,7 +9,6 @@ fetches from.
 from __future__ import annotations
 
 import hashlib
-import shutil
 import time
 import urllib.error
 import urllib.request
@@ -79,6 +78,8 @@ def fetch(
         check_digest(expected_sha256, sha, source)
         return Fetched(path, sha, size, downloaded=False)
     dest = workdir / "artifact.download"
+    if scheme not in _OPENERS:
+        import kiln.remote  # noqa: F401 - registers the optional-extra schemes
     opener = _OPENERS.get(scheme)
     if opener is None:
         raise UsageError(f"{source}: unsupported source scheme {scheme!r}")
@@ -142,8 +143,9 @@ def push(artifact: str | Path, dest: str) -> dict[str, str | int]:
             sha, size = _copy_hashing(fh, out, None, None)
         tmp.replace(target)
         return {"dest": str(target), "sha256": sha, "size": size}
-    raise UsageError(f"{dest}: cannot push to scheme {scheme!r}")
+    from kiln.remote import PUSHERS
 
-
-def copy_file(src: Path, dst: Path) -> None:
-    shutil.copyfile(src, dst)
+    pusher = PUSHERS.get(scheme)
+    if pusher is None:
+        raise UsageError(f"{dest}: cannot push to scheme {scheme!r} (file, s3, gs, oci)")
+    return pusher(src, dest)
