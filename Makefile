@@ -18,8 +18,8 @@ $(VENV)/.installed: pyproject.toml
 venv: $(VENV)/.installed
 
 test: venv
-	$(BIN)/ruff check src tests examples
-	$(BIN)/ruff format --check src tests examples
+	$(BIN)/ruff check src tests examples scripts
+	$(BIN)/ruff format --check src tests examples scripts
 	$(BIN)/python -m pytest -q
 
 demo: venv

@@ -9,9 +9,13 @@ orders until one compiles nothing: the artifact then covers orders, not just the
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
+import os
 import shutil
 import tempfile
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from pathlib import Path
@@ -101,7 +105,39 @@ def bake(
     emit = on_event or (lambda _e: None)
 
     t0 = time.time()
-    work = Path(tempfile.mkdtemp(prefix=f"kiln-bake-{spec.name}-"))
+    with _stable_workdir(spec.name) as work:
+        return _bake_in(spec, out, work, env, buckets, orders, auto, emit, keep_workdir, t0)
+
+
+@contextlib.contextmanager
+def _stable_workdir(name: str) -> Iterator[Path]:
+    """The same cache root for every bake of ``name`` on this machine, one bake at a time.
+
+    Torch writes the cache root's absolute path into FX entries and native objects; a random
+    temporary folder would make every bake's bytes differ and leave stale paths in the artifact.
+    """
+    base = Path(tempfile.gettempdir()) / f"kiln-bake-{os.getuid()}"
+    base.mkdir(mode=0o700, exist_ok=True)
+    with open(base / f"{name}.lock", "a+b") as lock:
+        fcntl.flock(lock.fileno(), fcntl.LOCK_EX)
+        work = base / name
+        shutil.rmtree(work, ignore_errors=True)
+        work.mkdir()
+        yield work
+
+
+def _bake_in(
+    spec: Spec,
+    out: Path,
+    work: Path,
+    env: dict[str, str],
+    buckets: list[Bucket],
+    orders: list[list[Bucket]],
+    auto: bool,
+    emit: EventSink,
+    keep_workdir: bool,
+    t0: float,
+) -> BakeResult:
     try:
         root = work / INDUCTOR_DIR
         root.mkdir()
@@ -155,15 +191,18 @@ def bake(
     except BaseException:
         shutil.rmtree(work, ignore_errors=True)
         raise
-    if not keep_workdir:
-        shutil.rmtree(work, ignore_errors=True)
+    kept = None
+    if keep_workdir:
+        kept = Path(tempfile.mkdtemp(prefix=f"kiln-bake-{spec.name}-keep-"))
+        shutil.copytree(work, kept, dirs_exist_ok=True)
+    shutil.rmtree(work, ignore_errors=True)
     return BakeResult(
         artifact=out,
         sha256=sha,
         size=size,
         manifest=manifest,
         wall_s=time.time() - t0,
-        workdir=work if keep_workdir else None,
+        workdir=kept,
         runs=runs,
     )
 

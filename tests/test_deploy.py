@@ -1,0 +1,193 @@
+"""Deployment pieces: the Dockerfile's torch-free restore stage, and the docker, Kubernetes and CI
+examples. No container engine with image access runs here, so each stage's commands are run for
+real where they can be (a fresh venv, the CLI) and the rest is validated structurally."""
+
+from __future__ import annotations
+
+import json
+import re
+import shlex
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+
+import pytest
+import yaml
+
+import kiln
+from tests.archives import good_archive
+from tests.conftest import ROOT
+
+
+def dockerfile_stages(path: Path) -> dict[str, list[str]]:
+    """Stage name → its instructions (continuation lines joined)."""
+    text = re.sub(r"\\\n\s*", " ", path.read_text())
+    stages: dict[str, list[str]] = {}
+    current = None
+    for line in text.splitlines():
+        line = line.strip()
+        if not line or line.startswith("#"):
+            continue
+        m = re.match(r"FROM\s+\S+(?:\s+AS\s+(\S+))?", line, re.IGNORECASE)
+        if m:
+            current = m.group(1) or f"stage{len(stages)}"
+            stages[current] = []
+        elif current:
+            stages[current].append(line)
+    return stages
+
+
+def test_dockerfile_has_restore_and_bake_targets() -> None:
+    stages = dockerfile_stages(ROOT / "Dockerfile")
+    assert {"restore", "bake"} <= set(stages)
+    restore = " ".join(stages["restore"])
+    assert "scripts/install-restore.sh" in restore
+    assert 'ENTRYPOINT ["kiln"]' in restore
+    assert "torch" not in restore.replace("torch,", "")  # nothing in the stage installs torch
+    assert 'ENTRYPOINT ["kiln"]' in " ".join(stages["bake"])
+
+
+@pytest.mark.slow
+def test_restore_stage_install_is_torch_free(tmp_path: Path) -> None:
+    """Run the restore stage's own install script into a fresh venv, then its entrypoint."""
+    venv = tmp_path / "venv"
+    subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True)
+    py = venv / "bin" / "python"
+    proc = subprocess.run(
+        ["sh", str(ROOT / "scripts/install-restore.sh"), str(py), str(ROOT)],
+        capture_output=True,
+        text=True,
+        env={"PATH": "/usr/bin:/bin", "KILN_EXTRAS": "oci"},
+    )
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    kiln_bin = venv / "bin" / "kiln"
+    art = good_archive(tmp_path / "a.kiln.tar.zst")
+    restored = subprocess.run(
+        [str(kiln_bin), "restore", str(art), "--dest", str(tmp_path / "cache"), "--json"],
+        capture_output=True,
+        text=True,
+    )
+    assert restored.returncode == 0, restored.stderr
+    assert json.loads(restored.stdout)["files"] == 2
+    inspected = subprocess.run([str(kiln_bin), "inspect", str(art)], capture_output=True, text=True)
+    assert inspected.returncode == 0 and "demo" in inspected.stdout
+    no_torch = subprocess.run([str(py), "-c", "import torch"], capture_output=True)
+    assert no_torch.returncode != 0
+
+
+def test_docker_example_restore_line_runs(tmp_path: Path, cli) -> None:
+    stages = dockerfile_stages(ROOT / "examples/docker/Dockerfile")
+    caches, serving = stages["caches"], list(stages.values())[-1]
+    run = next(i for i in caches if "kiln restore" in i)
+    args = shlex.split(run[run.index("kiln restore") :])
+    dest = Path(args[args.index("--dest") + 1])
+    env_line = next(i for i in serving if i.startswith("ENV "))
+    assert f"TORCHINDUCTOR_CACHE_DIR={dest}/inductor" in env_line
+    assert any("COPY --from=caches" in i and str(dest) in i for i in serving)
+    # Run the same command line, with the build's paths mapped into a temp folder.
+    art = good_archive(tmp_path / "tiny-gpt.kiln.tar.zst")
+    digest = kiln.restore(art, tmp_path / "probe").sha256
+    mapping = {
+        "${KILN_SOURCE}": str(art),
+        "${KILN_SHA256}": digest,
+        str(dest): str(tmp_path / "opt/kiln/cache"),
+    }
+    real = [mapping.get(a, a) for a in args[1:]]
+    proc = cli(*real, no_torch=True)
+    assert proc.returncode == 0, proc.stderr
+    env = (tmp_path / "opt/kiln/cache/kiln.env").read_text()
+    assert f"TORCHINDUCTOR_CACHE_DIR={tmp_path}/opt/kiln/cache/inductor" in env
+
+
+def load_deployment() -> dict:
+    return yaml.safe_load((ROOT / "examples/kubernetes/deployment.yaml").read_text())
+
+
+def test_kubernetes_deployment_validates_against_the_schema() -> None:
+    import kubernetes_validate
+
+    kubernetes_validate.validate(load_deployment(), "1.33.0", strict=True)
+
+
+def test_kubernetes_deployment_wiring() -> None:
+    pod = load_deployment()["spec"]["template"]["spec"]
+    (init,), (server,) = pod["initContainers"], pod["containers"]
+    users = {pod["securityContext"]["runAsUser"]}
+    users |= {c["securityContext"]["runAsUser"] for c in (init, server)}
+    assert users == {1000}
+    assert init["args"][0] == "restore"
+    source = init["args"][1]
+    assert source.startswith("oci://") and "@sha256:" in source
+    assert "--sha256" in init["args"]
+    dest = init["args"][init["args"].index("--dest") + 1]
+    mounts = {m["name"]: m["mountPath"] for m in init["volumeMounts"]}
+    server_mounts = {m["name"]: m["mountPath"] for m in server["volumeMounts"]}
+    assert mounts["kiln-cache"] == server_mounts["kiln-cache"]
+    assert dest.startswith(mounts["kiln-cache"] + "/")  # a subfolder: the mount can't be swapped
+    assert next(v for v in pod["volumes"] if v["name"] == "kiln-cache")["emptyDir"] is not None
+    script = server["args"][0]
+    assert f". {dest}/kiln.env" in script
+    ready = re.search(r"--ready-file (\S+)", script).group(1)
+    assert f"--cache {dest}" in script
+    assert server["startupProbe"]["exec"]["command"] == ["test", "-f", ready]
+    assert script.index("kiln verify") < script.index("exec python")
+
+
+def test_ci_workflow_wiring() -> None:
+    wf = yaml.safe_load((ROOT / "examples/ci/github-actions.yml").read_text())
+    jobs = wf["jobs"]
+    runs = [s.get("run", "") for s in jobs["bake"]["steps"]]
+    order = [
+        next(i for i, r in enumerate(runs) if word in r)
+        for word in ("kiln bake", "kiln restore", "kiln verify", "kiln push")
+    ]
+    assert order == sorted(order)
+    assert jobs["image"]["needs"] == "bake"
+    build = " ".join(s.get("run", "") for s in jobs["image"]["steps"])
+    for output in jobs["bake"]["outputs"]:
+        assert f"needs.bake.outputs.{output}" in build
+    docker_args = set(re.findall(r"--build-arg (\w+)=", build))
+    declared = set(re.findall(r"ARG (\w+)", (ROOT / "examples/docker/Dockerfile").read_text()))
+    assert docker_args <= declared
+
+
+@pytest.mark.slow
+def test_example_server_is_ready_with_zero_compiles(baked, tmp_path: Path) -> None:
+    spec_path, result = baked
+    dest = tmp_path / "cache"
+    kiln.restore(result.artifact, dest)
+    from tests.servers import free_port
+
+    port = free_port()
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            str(ROOT / "examples/serve.py"),
+            str(spec_path),
+            "--cache",
+            str(dest),
+            "--port",
+            str(port),
+        ],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        deadline = time.time() + 300
+        while time.time() < deadline:
+            assert proc.poll() is None, proc.stderr.read()[-2000:]
+            try:
+                with urllib.request.urlopen(f"http://127.0.0.1:{port}/ready", timeout=2) as r:
+                    state = json.loads(r.read())
+                    break
+            except OSError:
+                time.sleep(0.5)
+        else:
+            pytest.fail("server never became ready")
+        assert state == {"ready": True, "compiles": 0}
+    finally:
+        proc.kill()
+        proc.wait()

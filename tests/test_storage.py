@@ -1,0 +1,130 @@
+"""Push and restore through real servers on loopback: S3 (moto), an OCI registry, HTTP.
+
+Push by digest and restore by digest must round-trip byte-identically.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+import kiln
+from kiln.errors import IntegrityError, NotFoundError, UsageError
+from tests.archives import good_archive
+from tests.servers import oci_registry, s3_server
+
+FILES = {"inductor/fxgraph/a/entry": b"A" * 5000, "inductor/xy/k.py": b"print(1)\n"}
+
+
+def sha(path: Path) -> str:
+    return hashlib.sha256(path.read_bytes()).hexdigest()
+
+
+@pytest.fixture(scope="module")
+def registry(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    with oci_registry(tmp_path_factory.mktemp("registry")) as host:
+        yield host
+
+
+@pytest.fixture(scope="module")
+def s3(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    with s3_server(tmp_path_factory.mktemp("s3")) as endpoint:
+        yield endpoint
+
+
+@pytest.fixture
+def aws_env(s3: str, monkeypatch: pytest.MonkeyPatch) -> dict[str, str]:
+    """Credentials the AWS way (environment), pointed at the loopback server."""
+    env = {
+        "AWS_ACCESS_KEY_ID": "kiln-test",
+        "AWS_SECRET_ACCESS_KEY": "kiln-test",
+        "AWS_DEFAULT_REGION": "us-east-1",
+        "AWS_ENDPOINT_URL": s3,
+    }
+    for k, v in env.items():
+        monkeypatch.setenv(k, v)
+    import boto3
+
+    client = boto3.client("s3", endpoint_url=s3)
+    if "kiln" not in [b["Name"] for b in client.list_buckets().get("Buckets", [])]:
+        client.create_bucket(Bucket="kiln")
+    return env
+
+
+def test_s3_push_and_restore_round_trip(tmp_path: Path, aws_env, cli) -> None:
+    art = good_archive(tmp_path / "a.kiln.tar.zst", FILES)
+    pushed = kiln.push(art, "s3://kiln/artifacts/")
+    assert pushed["dest"] == "s3://kiln/artifacts/a.kiln.tar.zst"
+    assert pushed["sha256"] == sha(art)
+    result = kiln.restore(pushed["dest"], tmp_path / "cache", sha256=pushed["sha256"])
+    assert result.sha256 == sha(art)
+    assert (tmp_path / "cache/inductor/xy/k.py").read_bytes() == FILES["inductor/xy/k.py"]
+    with pytest.raises(NotFoundError):
+        kiln.restore("s3://kiln/artifacts/missing.kiln.tar.zst", tmp_path / "c2")
+    proc = cli("push", art, "s3://kiln/cli/x.kiln.tar.zst", "--json", no_torch=True, env=aws_env)
+    assert proc.returncode == 0, proc.stderr
+    assert json.loads(proc.stdout)["sha256"] == sha(art)
+    proc = cli(
+        "restore",
+        "s3://kiln/cli/x.kiln.tar.zst",
+        "--dest",
+        tmp_path / "c3",
+        no_torch=True,
+        env=aws_env,
+    )
+    assert proc.returncode == 0, proc.stderr
+
+
+def test_oci_push_by_tag_restore_by_digest(tmp_path: Path, registry: str, cli) -> None:
+    art = good_archive(tmp_path / "a.kiln.tar.zst", FILES)
+    proc = cli("push", art, f"oci://{registry}/kiln/demo:v1", "--json", no_torch=True)
+    assert proc.returncode == 0, proc.stderr
+    pushed = json.loads(proc.stdout)
+    assert pushed["sha256"] == sha(art)
+    assert pushed["manifest_digest"].startswith("sha256:")
+    assert pushed["pinned"] == f"oci://{registry}/kiln/demo@{pushed['manifest_digest']}"
+    for source in (f"oci://{registry}/kiln/demo:v1", pushed["pinned"]):
+        dest = tmp_path / source.rsplit("/", 1)[1].replace(":", "_").replace("@", "_")
+        result = kiln.restore(source, dest, sha256=pushed["sha256"])
+        assert result.sha256 == sha(art)
+        assert json.loads((dest / "manifest.json").read_text())["name"] == "demo"
+
+
+def test_oci_pushes_the_same_bytes_and_digest_twice(tmp_path: Path, registry: str) -> None:
+    art = good_archive(tmp_path / "a.kiln.tar.zst", FILES)
+    first = kiln.push(art, f"oci://{registry}/kiln/twice:a")
+    second = kiln.push(art, f"oci://{registry}/kiln/twice:b")
+    assert first["manifest_digest"] == second["manifest_digest"]
+    fetched = tmp_path / "fetched"
+    fetched.mkdir()
+    from kiln.storage import fetch
+
+    got = fetch(first["pinned"], fetched)
+    assert got.path.read_bytes() == art.read_bytes()
+
+
+def test_oci_errors(tmp_path: Path, registry: str) -> None:
+    with pytest.raises(NotFoundError):
+        kiln.restore(f"oci://{registry}/kiln/nothing:v1", tmp_path / "c")
+    art = good_archive(tmp_path / "a.kiln.tar.zst", FILES)
+    pushed = kiln.push(art, f"oci://{registry}/kiln/pin:v1")
+    wrong = "sha256:" + "0" * 64
+    with pytest.raises((IntegrityError, NotFoundError)):
+        kiln.restore(f"oci://{registry}/kiln/pin@{wrong}", tmp_path / "d")
+    with pytest.raises(IntegrityError):
+        kiln.restore(pushed["pinned"], tmp_path / "e", sha256="1" * 64)
+    assert not (tmp_path / "e").exists()
+    with pytest.raises(UsageError):
+        kiln.restore(f"oci://{registry}", tmp_path / "f")
+
+
+def test_unknown_scheme_is_usage_error(tmp_path: Path) -> None:
+    with pytest.raises(UsageError, match="unsupported source scheme"):
+        kiln.restore("ftp://example/a.kiln.tar.zst", tmp_path / "c")
+    art = good_archive(tmp_path / "a.kiln.tar.zst", FILES)
+    with pytest.raises(UsageError, match="cannot push"):
+        kiln.push(art, "ftp://example/a")
