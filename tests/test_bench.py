@@ -20,7 +20,7 @@ def test_bench_modes_and_ratios(write_spec, cli, tmp_path: Path) -> None:
     report = json.loads(proc.stdout)
     assert report == json.loads(saved.read_text())
     modes = report["modes"]
-    assert list(modes) == ["eager", "cold", "kiln", "megacache", "copied"]
+    assert set(modes) == {"eager", "cold", "kiln", "megacache", "copied"}
     assert modes["cold"]["compiles"] > 0
     assert modes["kiln"]["compiles"] == 0
     assert modes["copied"]["compiles"] == 0

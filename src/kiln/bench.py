@@ -16,6 +16,7 @@ from __future__ import annotations
 import shutil
 import statistics
 import tempfile
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -24,10 +25,9 @@ from kiln.bake import BakeResult, bake, serving_env
 from kiln.capture import INDUCTOR_DIR, MEGACACHE_NAME
 from kiln.grid import expand, ordered
 from kiln.manifest import BucketStats
-from kiln.restore import restore
+from kiln.restore import cache_env, restore
 from kiln.runner import EventSink, WorkerRun, run_worker
 from kiln.spec import Spec, load_spec
-from kiln.verify import cache_env
 
 MODES = ("eager", "cold", "kiln", "megacache", "copied")
 
@@ -141,8 +141,6 @@ def bench(
     on_event: EventSink | None = None,
 ) -> BenchReport:
     """Bake ``spec`` then time every mode in a fresh process; see the module docstring."""
-    import time
-
     spec = spec if isinstance(spec, Spec) else load_spec(spec)
     emit = on_event or (lambda _e: None)
     work = Path(workdir) if workdir else Path(tempfile.mkdtemp(prefix=f"kiln-bench-{spec.name}-"))

@@ -12,7 +12,6 @@ from __future__ import annotations
 import json
 import os
 import platform
-import sys
 from dataclasses import asdict, dataclass
 from typing import Any
 
@@ -248,7 +247,3 @@ def _env_causes_miss(key: str) -> bool:
 
 def misses(factors: list[Factor]) -> list[Factor]:
     return [f for f in factors if f.causes_miss]
-
-
-def python_tag() -> str:
-    return f"{sys.implementation.name}{sys.version_info.major}.{sys.version_info.minor}"

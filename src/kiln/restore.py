@@ -30,7 +30,7 @@ from typing import Any
 
 import zstandard
 
-from kiln.artifact import open_tar_stream, read_manifest_member
+from kiln.artifact import open_tar_stream, parse_manifest, read_manifest_member
 from kiln.capture import INDUCTOR_DIR
 from kiln.errors import IntegrityError, KilnError, UsageError
 from kiln.manifest import MANIFEST_NAME, Manifest
@@ -69,14 +69,22 @@ class RestoreResult:
         }
 
 
-def env_lines(dest: Path, manifest: Manifest) -> str:
-    """``kiln.env``: what a serving process needs to hit, as shell ``export`` lines."""
-    values = {
+def cache_env(dest: Path, manifest: Manifest) -> dict[str, str]:
+    """The environment a serving process needs to hit the caches restored at ``dest``.
+
+    One definition for `kiln.env`, `kiln.activate()`, verify and bench, so the no-code route and
+    the proof cannot drift apart.
+    """
+    return {
         "TORCHINDUCTOR_CACHE_DIR": str(dest / INDUCTOR_DIR),
         "KILN_CACHE_DIR": str(dest),
         **manifest.env,
     }
-    body = "".join(f"export {k}={shlex.quote(v)}\n" for k, v in values.items())
+
+
+def env_lines(dest: Path, manifest: Manifest) -> str:
+    """``kiln.env``: :func:`cache_env` as shell ``export`` lines."""
+    body = "".join(f"export {k}={shlex.quote(v)}\n" for k, v in cache_env(dest, manifest).items())
     header = f"# written by kiln restore for {manifest.name}: `. {dest / ENV_NAME}` to serve\n"
     return header + body
 
@@ -193,7 +201,7 @@ def restore(
 
 
 def _noop(dest: Path, env_file: str | Path | None, t0: float) -> RestoreResult:
-    manifest = Manifest.model_validate_json((dest / MANIFEST_NAME).read_bytes())
+    manifest = parse_manifest((dest / MANIFEST_NAME).read_bytes())
     return RestoreResult(
         dest=dest,
         sha256=installed_digest(dest) or "",

@@ -20,7 +20,7 @@ from typing import Any, Literal
 from kiln.artifact import read_manifest
 from kiln.check import CheckReport, compare_manifest
 from kiln.errors import IncompatibleError
-from kiln.verify import cache_env
+from kiln.restore import cache_env
 
 log = logging.getLogger("kiln")
 

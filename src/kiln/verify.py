@@ -20,7 +20,8 @@ from kiln.capture import INDUCTOR_DIR
 from kiln.check import CheckReport, compare_manifest
 from kiln.errors import NotFoundError
 from kiln.grid import expand, ordered
-from kiln.manifest import BucketStats, Manifest
+from kiln.manifest import BucketStats
+from kiln.restore import cache_env
 from kiln.runner import EventSink, run_worker
 from kiln.spec import Spec, load_spec
 
@@ -69,15 +70,6 @@ class VerifyReport:
             "check": self.check.to_dict() if self.check else None,
             **self.extra,
         }
-
-
-def cache_env(cache: Path, manifest: Manifest) -> dict[str, str]:
-    """The same environment `kiln.env` exports (the no-code route to the caches)."""
-    return {
-        "TORCHINDUCTOR_CACHE_DIR": str(cache / INDUCTOR_DIR),
-        "KILN_CACHE_DIR": str(cache),
-        **manifest.env,
-    }
 
 
 def verify(

@@ -176,7 +176,7 @@ def run(request: dict[str, Any]) -> dict[str, Any]:
         sync()
         return time.perf_counter() - t0
 
-    def measure(bucket: Bucket, body: Any) -> dict[str, Any]:
+    def measure(body: Any) -> dict[str, Any]:
         before, c0, n0 = _counters(), _compile_seconds(), len(recompiles.messages)
         files0 = snapshot(cache_root) if cache_root else set()
         result = body()
@@ -213,7 +213,7 @@ def run(request: dict[str, Any]) -> dict[str, Any]:
         for i, bucket in enumerate(order):
             seed = grid_index[bucket.key]
             inputs = make_inputs(spec, bucket, device, seed)
-            m = measure(bucket, lambda inputs=inputs: timed_call(inputs))
+            m = measure(lambda inputs=inputs: timed_call(inputs))
             stats[bucket.key] = {
                 "key": bucket.key,
                 "sizes": bucket.as_dict(),
@@ -242,7 +242,7 @@ def run(request: dict[str, Any]) -> dict[str, Any]:
                 steady = statistics.median(timed_call(inputs) for _ in range(max(1, steady_calls)))
                 return first_request, steady
 
-            m = measure(bucket, warm)
+            m = measure(warm)
             s = stats[bucket.key]
             s["first_request_s"], s["steady_s"] = m["result"]
             add(s, m)
