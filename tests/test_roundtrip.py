@@ -13,7 +13,7 @@ import pytest
 
 import kiln
 from kiln.errors import KilnError
-from tests.conftest import mlp_spec
+from tests.conftest import MODELS, mlp_spec
 
 pytestmark = pytest.mark.slow
 
@@ -194,3 +194,28 @@ def test_factory_error_is_a_spec_error(write_spec, tmp_path: Path, cli) -> None:
     proc = cli("bake", write_spec(text), "-o", tmp_path / "x.kiln.tar.zst")
     assert proc.returncode == 2
     assert ":3:3: model.factory: " in proc.stderr and "no_such_factory" in proc.stderr
+
+
+def test_bake_says_when_a_fresh_process_still_compiles(write_spec, tmp_path: Path, cli) -> None:
+    """A model that closes over a per-process value can never hit: bake must say so, not ship."""
+    (tmp_path / "perprocess.py").write_text(
+        "import random, torch\n"
+        "SCALE = random.random()  # a different constant in every process\n"
+        "class M(torch.nn.Module):\n"
+        "    def forward(self, x):\n"
+        "        return torch.relu(x) * SCALE\n"
+        "def make():\n"
+        "    return M()\n"
+    )
+    text = mlp_spec("per-process").replace(f"{MODELS}:tiny_mlp", "perprocess.py:make")
+    text = text.replace("  kwargs: {dim: 16, hidden: 32}\n  call_kwargs: {scale: 2.0}\n", "")
+    text = text.replace("warmup: {calls: 2}", "warmup: {calls: 2, passes: 2}")
+    spec_path = write_spec(text)
+    proc = cli("bake", spec_path, "-o", tmp_path / "pp.kiln.tar.zst", "--json")
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    summary = json.loads(proc.stdout)
+    assert len(summary["warnings"]) == 1 and "still compiles" in summary["warnings"][0]
+    assert "warning:" in proc.stderr and "kiln verify` will fail" in proc.stderr
+    manifest = kiln.read_manifest(tmp_path / "pp.kiln.tar.zst")
+    assert manifest.warnings == summary["warnings"]
+    assert manifest.passes[-1].compiles > 0

@@ -53,6 +53,7 @@ class BakeResult:
             "passes": len(self.manifest.passes),
             "totals": self.manifest.totals,
             "wall_s": round(self.wall_s, 3),
+            "warnings": self.manifest.warnings,
         }
 
 
@@ -241,4 +242,19 @@ def _manifest(
         },
         files=files,
         megacache=MEGACACHE_NAME if any(f.path == MEGACACHE_NAME for f in files) else None,
+        warnings=_unsettled(runs, pass_stats),
     )
+
+
+def _unsettled(runs: list[WorkerRun], pass_stats: list[PassStats]) -> list[str]:
+    """Say it when the last fresh-process pass still compiled: that pod would compile too."""
+    if len(pass_stats) < 2 or pass_stats[-1].compiles == 0:
+        return []
+    last = [BucketStats.model_validate(b) for b in runs[-1].result["buckets"]]
+    where = ", ".join(f"{b.key} ({b.compiles})" for b in last if b.compiles)
+    return [
+        f"after {len(pass_stats)} fresh-process passes a new process still compiles "
+        f"{pass_stats[-1].compiles} time(s): {where}; `kiln verify` will fail. Usual causes: the "
+        "model reads per-process state (a global, a random value, a path), a Dynamo restart "
+        "that torch does not cache, or a grad-mode/dtype mismatch"
+    ]

@@ -23,7 +23,7 @@ _TOP_KINDS = {
     "aotautograd": "aotautograd",
     "triton": "triton",
     "cache": "autotune",
-    "dynamo": "pgo",
+    "dynamo": "dynamo",  # PGO profiles and precompile packages
 }
 _SUFFIX_KINDS = {
     ".py": "code",

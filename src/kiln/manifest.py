@@ -81,6 +81,7 @@ class Manifest(_Model):
     totals: dict[str, float] = Field(default_factory=dict)
     files: list[FileEntry]
     megacache: str | None = None  # path of the Mega-Cache blob in the artifact, if captured
+    warnings: list[str] = Field(default_factory=list)  # what the bake could not settle
 
     def to_bytes(self) -> bytes:
         return (json.dumps(self.model_dump(mode="json"), indent=2, sort_keys=True) + "\n").encode()

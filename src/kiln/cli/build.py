@@ -49,6 +49,8 @@ def bake_cmd(
         )
         c.print(f"sha256 {result.sha256}")
 
+    for warning in result.manifest.warnings:
+        o.warn(warning)
     o.emit(result.summary(), human)
 
 
