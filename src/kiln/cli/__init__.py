@@ -18,6 +18,10 @@ from kiln.output import report_error
 app = typer.Typer(
     name="kiln",
     help="Bake torch.compile caches in CI, ship them as verified artifacts, prove they hit.",
+    epilog=(
+        "Exit codes: 0 ok · 1 internal error · 2 usage or spec error · 3 integrity failure · "
+        "4 not found · 5 incompatible environment · 6 verification failed."
+    ),
     no_args_is_help=True,
     pretty_exceptions_enable=False,
     add_completion=False,
@@ -39,8 +43,7 @@ def _root(
         False, "--version", callback=_version, is_eager=True, help="Print the version."
     ),
 ) -> None:
-    """Exit codes: 0 ok · 1 internal error · 2 usage or spec error · 3 integrity failure ·
-    4 not found · 5 incompatible environment · 6 verification failed."""
+    """Bake torch.compile caches in CI, ship them as verified artifacts, prove they hit."""
 
 
 def main() -> None:

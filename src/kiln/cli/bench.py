@@ -24,7 +24,9 @@ def _x(value: float | None) -> str:
 def bench_cmd(
     spec: Path = typer.Argument(..., help="Model spec (YAML)."),
     modes: str = typer.Option(
-        "eager,cold,kiln,megacache,copied", "--modes", help="Comma-separated modes to run."
+        "eager,cold,kiln,megacache,copied",
+        "--modes",
+        help="Comma-separated modes: eager, cold, kiln, megacache, copied, kiln-blob.",
     ),
     order: str = typer.Option("shuffle", "--order", help="Request order: shuffle, grid, reverse."),
     cold_run: bool = typer.Option(
@@ -36,13 +38,18 @@ def bench_cmd(
     quiet: bool = QUIET,
 ) -> None:
     """Bake SPEC, then time every mode in its own fresh process and print the ratios."""
-    from kiln.bench import bench
+    from kiln.bench import EXTRA_MODES, MODES, bench
+    from kiln.errors import UsageError
 
+    chosen = tuple(m.strip() for m in modes.split(",") if m.strip())
+    unknown = sorted(set(chosen) - {*MODES, *EXTRA_MODES})
+    if unknown:
+        raise UsageError(f"unknown bench mode(s): {', '.join(unknown)}")
     o = Output(json_, quiet)
     with o.progress() as sink:
         report = bench(
             spec,
-            modes=tuple(m.strip() for m in modes.split(",") if m.strip()),
+            modes=chosen,
             order=order,
             cold_run=cold_run,
             workdir=workdir,
