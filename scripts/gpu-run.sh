@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # One device-machine call: install carried wheels, run the GPU tests, then the benchmarks.
-# Usage (on the GPU machine, from the repo root): scripts/gpu-run.sh [tests|bench SPEC...]
+# Usage (on the GPU machine, from the repo root): scripts/gpu-run.sh [tests [PYTEST ARGS]|bench SPEC...]
+# BENCH_MODES=eager,cold,kiln,megacache,copied,kiln-blob picks bench modes.
 # Writes logs and JSON to $OUT (or ./out/gpu) and prints a short table last.
 set -uo pipefail
 OUT=${OUT:-out/gpu}
@@ -27,6 +28,7 @@ BUDGET_S=${BUDGET_S:-560}; MIN_LEFT_S=${MIN_LEFT_S:-200}
 for spec in "$@"; do
   name=$(basename "$spec" .yaml)
   if [ $((BUDGET_S - SECONDS)) -lt "$MIN_LEFT_S" ]; then echo "skip $name: ${SECONDS}s used"; continue; fi
-  COLUMNS=160 python3 -m kiln bench "$spec" -q --save "$OUT/bench-$name.json" 2> "$OUT/bench-$name.err" \
+  COLUMNS=160 python3 -m kiln bench "$spec" -q --modes "${BENCH_MODES:-eager,cold,kiln,megacache,copied}" \
+    --save "$OUT/bench-$name.json" 2> "$OUT/bench-$name.err" \
     || { echo "bench $name failed"; tail -20 "$OUT/bench-$name.err"; }
 done
