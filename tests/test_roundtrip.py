@@ -160,23 +160,23 @@ def test_automatic_dynamic_is_order_independent(write_spec, tmp_path: Path) -> N
         assert report.ok, (report.order, report.reasons())
 
 
-def test_failed_bake_leaves_no_artifact(write_spec, tmp_path: Path, cli) -> None:
-    (tmp_path / "flaky.py").write_text(
-        "import torch\n"
+def module_spec(write_spec, tmp_path: Path, name: str, forward: str, header: str = "") -> Path:
+    """A spec for a one-module model file next to it, on the MLP spec's grid."""
+    (tmp_path / f"{name}.py").write_text(
+        f"import random, torch\n{header}"
         "class M(torch.nn.Module):\n"
         "    def forward(self, x):\n"
-        "        if x.shape[0] == 3:\n"
-        "            raise RuntimeError('boom on batch 3')\n"
-        "        return x * 2\n"
-        "def make():\n"
-        "    return M()\n"
+        + "".join(f"        {line}\n" for line in forward.splitlines())
+        + "def make():\n    return M()\n"
     )
-    text = mlp_spec().replace(
-        f"{Path(__file__).resolve().parent.parent / 'examples' / 'models.py'}:tiny_mlp",
-        "flaky.py:make",
-    )
+    text = mlp_spec(name).replace(f"{MODELS}:tiny_mlp", f"{name}.py:make")
     text = text.replace("  kwargs: {dim: 16, hidden: 32}\n  call_kwargs: {scale: 2.0}\n", "")
-    spec_path = write_spec(text)
+    return write_spec(text.replace("warmup: {calls: 2}", "warmup: {calls: 2, passes: 2}"))
+
+
+def test_failed_bake_leaves_no_artifact(write_spec, tmp_path: Path, cli) -> None:
+    forward = "if x.shape[0] == 3:\n    raise RuntimeError('boom on batch 3')\nreturn x * 2"
+    spec_path = module_spec(write_spec, tmp_path, "flaky", forward)
     out = tmp_path / "out" / "flaky.kiln.tar.zst"
     with pytest.raises(KilnError, match="boom on batch 3"):
         kiln.bake(spec_path, out)
@@ -198,19 +198,10 @@ def test_factory_error_is_a_spec_error(write_spec, tmp_path: Path, cli) -> None:
 
 def test_bake_says_when_a_fresh_process_still_compiles(write_spec, tmp_path: Path, cli) -> None:
     """A model that closes over a per-process value can never hit: bake must say so, not ship."""
-    (tmp_path / "perprocess.py").write_text(
-        "import random, torch\n"
-        "SCALE = random.random()  # a different constant in every process\n"
-        "class M(torch.nn.Module):\n"
-        "    def forward(self, x):\n"
-        "        return torch.relu(x) * SCALE\n"
-        "def make():\n"
-        "    return M()\n"
+    header = "SCALE = random.random()  # a different constant in every process\n"
+    spec_path = module_spec(
+        write_spec, tmp_path, "perprocess", "return torch.relu(x) * SCALE", header
     )
-    text = mlp_spec("per-process").replace(f"{MODELS}:tiny_mlp", "perprocess.py:make")
-    text = text.replace("  kwargs: {dim: 16, hidden: 32}\n  call_kwargs: {scale: 2.0}\n", "")
-    text = text.replace("warmup: {calls: 2}", "warmup: {calls: 2, passes: 2}")
-    spec_path = write_spec(text)
     proc = cli("bake", spec_path, "-o", tmp_path / "pp.kiln.tar.zst", "--json")
     assert proc.returncode == 0, proc.stderr[-2000:]
     summary = json.loads(proc.stdout)
