@@ -130,3 +130,12 @@ def test_schema_command(cli) -> None:
     schema = json.loads(proc.stdout)
     assert set(schema["properties"]) >= {"name", "model", "compile", "inputs", "buckets", "env"}
     assert schema["additionalProperties"] is False
+
+
+def test_committed_schema_is_current() -> None:
+    """configs/ point editors at docs/spec.schema.json: it must match the models."""
+    from kiln.spec import spec_json_schema
+    from tests.conftest import ROOT
+
+    committed = json.loads((ROOT / "docs" / "spec.schema.json").read_text())
+    assert committed == spec_json_schema(), "regenerate: kiln schema > docs/spec.schema.json"
