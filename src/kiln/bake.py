@@ -107,39 +107,6 @@ def bake(
 
     t0 = time.time()
     with _stable_workdir(spec.name) as work:
-        return _bake_in(spec, out, work, env, buckets, orders, auto, emit, keep_workdir, t0)
-
-
-@contextlib.contextmanager
-def _stable_workdir(name: str) -> Iterator[Path]:
-    """The same cache root for every bake of ``name`` on this machine, one bake at a time.
-
-    Torch writes the cache root's absolute path into FX entries and native objects; a random
-    temporary folder would make every bake's bytes differ and leave stale paths in the artifact.
-    """
-    base = Path(tempfile.gettempdir()) / f"kiln-bake-{os.getuid()}"
-    base.mkdir(mode=0o700, exist_ok=True)
-    with open(base / f"{name}.lock", "a+b") as lock:
-        fcntl.flock(lock.fileno(), fcntl.LOCK_EX)
-        work = base / name
-        shutil.rmtree(work, ignore_errors=True)
-        work.mkdir()
-        yield work
-
-
-def _bake_in(
-    spec: Spec,
-    out: Path,
-    work: Path,
-    env: dict[str, str],
-    buckets: list[Bucket],
-    orders: list[list[Bucket]],
-    auto: bool,
-    emit: EventSink,
-    keep_workdir: bool,
-    t0: float,
-) -> BakeResult:
-    try:
         root = work / INDUCTOR_DIR
         root.mkdir()
         child_env = {
@@ -151,18 +118,12 @@ def _bake_in(
         runs: list[WorkerRun] = []
         pass_stats: list[PassStats] = []
         for i, order in enumerate(orders):
-            emit(
-                {
-                    "event": "pass",
-                    "index": i,
-                    "passes": len(orders),
-                    "order": [b.key for b in order],
-                }
-            )
+            keys = [b.key for b in order]
+            emit({"event": "pass", "index": i, "passes": len(orders), "order": keys})
             run = run_worker(
                 spec,
                 {
-                    "order": [b.key for b in order],
+                    "order": keys,
                     "calls": spec.warmup.calls,
                     "cache_root": str(root),
                     "megacache_save": str(work / MEGACACHE_NAME) if i == 0 else None,
@@ -175,28 +136,23 @@ def _bake_in(
             runs.append(run)
             compiles = sum(BucketStats.model_validate(b).compiles for b in run.result["buckets"])
             pass_stats.append(
-                PassStats(
-                    order=[b.key for b in order], compiles=compiles, wall_s=run.ended - run.spawned
-                )
+                PassStats(order=keys, compiles=compiles, wall_s=run.ended - run.spawned)
             )
             if auto and i > 0 and compiles == 0:
                 break
         emit({"event": "capture"})
         files = capture(root, work / MEGACACHE_NAME)
         manifest = _manifest(spec, buckets, runs, pass_stats, files, env)
-        total = sum(f.size for f in files)
-        emit({"event": "pack", "bytes": total})
+        emit({"event": "pack", "bytes": sum(f.size for f in files)})
         sha, size = write_artifact(
             out, manifest, work, on_bytes=lambda n: emit({"event": "packed", "bytes": n})
         )
-    except BaseException:
-        shutil.rmtree(work, ignore_errors=True)
-        raise
-    kept = None
-    if keep_workdir:
-        kept = Path(tempfile.mkdtemp(prefix=f"kiln-bake-{spec.name}-keep-"))
-        shutil.copytree(work, kept, dirs_exist_ok=True)
-    shutil.rmtree(work, ignore_errors=True)
+        kept = None
+        if keep_workdir:
+            # Same temporary filesystem: a move, not a copy of the whole cache.
+            kept = Path(tempfile.mkdtemp(prefix=f"kiln-bake-{spec.name}-keep-"))
+            kept.rmdir()
+            work.rename(kept)
     return BakeResult(
         artifact=out,
         sha256=sha,
@@ -206,6 +162,27 @@ def _bake_in(
         workdir=kept,
         runs=runs,
     )
+
+
+@contextlib.contextmanager
+def _stable_workdir(name: str) -> Iterator[Path]:
+    """The same cache root for every bake of ``name`` on this machine, one bake at a time.
+
+    Torch writes the cache root's absolute path into FX entries and native objects; a random
+    temporary folder would make every bake's bytes differ and leave stale paths in the artifact.
+    The folder is removed on the way out, failed bake or not (a kept one was moved away first).
+    """
+    base = Path(tempfile.gettempdir()) / f"kiln-bake-{os.getuid()}"
+    base.mkdir(mode=0o700, exist_ok=True)
+    with open(base / f"{name}.lock", "a+b") as lock:
+        fcntl.flock(lock.fileno(), fcntl.LOCK_EX)
+        work = base / name
+        shutil.rmtree(work, ignore_errors=True)
+        work.mkdir()
+        try:
+            yield work
+        finally:
+            shutil.rmtree(work, ignore_errors=True)
 
 
 def _manifest(
