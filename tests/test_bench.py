@@ -39,3 +39,21 @@ def test_bench_modes_and_ratios(write_spec, cli, tmp_path: Path) -> None:
     assert both["ratios"]["kiln-blob/kiln"] > 0
     bad = cli("bench", spec, "--modes", "kiln,warp", no_torch=True)
     assert bad.returncode == 2 and "warp" in bad.stderr
+
+
+def test_bench_precompile_spec_compares_with_plain_compile_caches(write_spec) -> None:
+    """kiln serves the precompiled forwards; cold and the stock folder come from plain JIT."""
+    import kiln
+
+    text = mlp_spec("bench-pre", buckets="batch: [2, 7]").replace(
+        "  dynamic: false", "  dynamic: false\n  fullgraph: true\n  precompile: true"
+    )
+    report = kiln.bench(write_spec(text), modes=("cold", "kiln", "copied")).to_dict()
+    modes = report["modes"]
+    assert report["cold_source"] == "separate plain run"
+    assert modes["cold"]["compiles"] > 0
+    assert modes["copied"]["compiles"] == 0  # the plain run's folder: every graph hits
+    assert modes["kiln"]["compiles"] == 0
+    assert "precompiled" in modes["kiln"]["note"]
+    assert sum(b["unique_graphs"] for b in modes["kiln"]["buckets"]) == 0  # no Dynamo trace
+    assert 0 < modes["kiln"]["startup_s"] <= modes["kiln"]["time_to_ready_s"]

@@ -16,9 +16,10 @@ from tests.conftest import MODELS
 pytestmark = [pytest.mark.gpu, pytest.mark.slow]
 
 
-def gpt_spec(name: str, mode: str) -> str:
+def gpt_spec(name: str, mode: str, precompile: bool = False) -> str:
     # max-autotune benchmarks every GEMM at bake time: a smaller grid keeps the run short.
     seqs = "[64]" if mode.startswith("max-autotune") else "[64, 256]"
+    aot = ["  fullgraph: true", "  precompile: true"] if precompile else []
     return "\n".join(
         [
             f"name: {name}",
@@ -30,6 +31,7 @@ def gpt_spec(name: str, mode: str) -> str:
             "compile:",
             f"  mode: {mode}",
             "  dynamic: false",
+            *aot,
             "inputs:",
             "  - {name: input_ids, shape: [batch, seq], dtype: int64, fill: randint,",
             "     low: 0, high: 512}",
@@ -51,15 +53,29 @@ def breakdown(report) -> dict:
         "autotunes",
         "kernel_loads",
         "bundled_kernels",
+        "precompile_misses",
+        "unique_graphs",
+        "new_files",
     )
     return {b.key: {f: getattr(b, f) for f in fields} for b in report.buckets}
 
 
-@pytest.fixture(scope="module", params=["default", "reduce-overhead", "max-autotune-no-cudagraphs"])
+@pytest.fixture(
+    scope="module",
+    params=[
+        "default",
+        "reduce-overhead",
+        "max-autotune-no-cudagraphs",
+        "default+precompile",
+        "reduce-overhead+precompile",
+    ],
+)
 def gpu_baked(request, tmp_path_factory):
     d = tmp_path_factory.mktemp(f"gpu-{request.param}")
     spec = d / "spec.yaml"
-    spec.write_text(gpt_spec(f"gpt-{request.param}", request.param))
+    mode, _, extra = request.param.partition("+")
+    name = f"gpt-{request.param.replace('+', '-')}"
+    spec.write_text(gpt_spec(name, mode, precompile=extra == "precompile"))
     result = kiln.bake(spec, d / "a.kiln.tar.zst")
     return request.param, spec, result
 
@@ -87,6 +103,8 @@ def test_restored_cache_compiles_nothing_anywhere_in_any_order(gpu_baked, tmp_pa
         report = kiln.verify(spec, dest, order=order, seed=seed)
         detail = json.dumps(breakdown(report))
         assert report.ok, (mode, where, report.reasons(), detail)
+        if mode.endswith("precompile"):
+            assert sum(b.unique_graphs for b in report.buckets) == 0, detail  # no Dynamo trace
         print(
             mode,
             where,

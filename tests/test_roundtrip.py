@@ -210,3 +210,55 @@ def test_bake_says_when_a_fresh_process_still_compiles(write_spec, tmp_path: Pat
     manifest = kiln.read_manifest(tmp_path / "pp.kiln.tar.zst")
     assert manifest.warnings == summary["warnings"]
     assert manifest.passes[-1].compiles > 0
+
+
+def test_precompiled_forwards_skip_dynamo_and_fall_back_off_grid(
+    write_spec, tmp_path: Path
+) -> None:
+    """compile.precompile: the restored process runs the grid without tracing a single frame."""
+    text = mlp_spec("pre-mlp").replace("  dynamic: false", "  dynamic: false\n  fullgraph: true")
+    spec_path = write_spec(text.replace("fullgraph: true", "fullgraph: true\n  precompile: true"))
+    result = kiln.bake(spec_path, tmp_path / "pre.kiln.tar.zst")
+    assert result.manifest.precompiled == "precompiled.bin"
+    assert result.manifest.bytes_by_kind()["precompile"][0] == 1
+    dest = tmp_path / "else" / "cache"
+    kiln.restore(result.artifact, dest)
+    report = kiln.verify(spec_path, dest, order="reverse")
+    assert report.ok, report.reasons()
+    assert sum(b.unique_graphs for b in report.buckets) == 0  # Dynamo traced nothing
+    assert sum(b.fx_hits + b.fx_misses for b in report.buckets) == 0
+
+    server = f"""
+import sys, json, torch
+sys.path.insert(0, {str(MODELS.parent)!r})
+import kiln
+act = kiln.activate({str(dest)!r}, compat="fail")
+from models import tiny_mlp
+model = tiny_mlp(16, 32).eval()
+m = act.compile(model)
+from torch._dynamo.utils import counters
+out = {{}}
+with torch.inference_mode():
+    for b in (5, 2, 3, 7):
+        x = torch.randn(b, 16)
+        out[b] = torch.allclose(m(x, scale=2.0), model(x, scale=2.0), atol=1e-5)
+        out[f"misses after {{b}}"] = m.misses
+print(json.dumps({{"act": act.to_dict(), "out": out, "frames": dict(counters["frames"])}}))
+"""
+    proc = subprocess.run(
+        [sys.executable, "-c", server], capture_output=True, text=True, timeout=300
+    )
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    got = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert got["act"]["precompiled"] is True
+    assert got["out"] == {
+        "5": True,
+        "misses after 5": 0,
+        "2": True,
+        "misses after 2": 0,
+        "3": True,
+        "misses after 3": 0,
+        "7": True,  # off the grid: compiled by the fallback, still correct
+        "misses after 7": 1,
+    }
+    assert "match no precompiled bucket" in proc.stderr

@@ -87,6 +87,18 @@ def test_mode_and_options_together(write_spec) -> None:
     )
 
 
+def test_precompile_needs_fullgraph(write_spec) -> None:
+    text = mlp_spec().replace("  dynamic: false", "  dynamic: false\n  precompile: true")
+    assert error_of(write_spec, text) == (
+        "spec.yaml:8:3: compile.precompile: precompile: true needs fullgraph: true "
+        "(no graph breaks)"
+    )
+    ok = load_spec(
+        write_spec(text.replace("precompile: true", "precompile: true\n  fullgraph: true"))
+    )
+    assert ok.compile.precompile and "precompile" not in ok.compile.torch_kwargs()
+
+
 def test_undeclared_axis(write_spec) -> None:
     text = mlp_spec().replace("shape: [batch, 16]", "shape: [batch, seq]")
     assert error_of(write_spec, text) == (

@@ -22,7 +22,7 @@ from pathlib import Path
 from typing import Any
 
 from kiln.artifact import sha256_file, source_date_epoch, write_artifact
-from kiln.capture import INDUCTOR_DIR, MEGACACHE_NAME, capture
+from kiln.capture import INDUCTOR_DIR, MEGACACHE_NAME, PRECOMPILED_NAME, capture
 from kiln.errors import UsageError
 from kiln.grid import Bucket, expand, rotations
 from kiln.manifest import BucketStats, Manifest, PassStats
@@ -127,6 +127,9 @@ def bake(
                     "calls": spec.warmup.calls,
                     "cache_root": str(root),
                     "megacache_save": str(work / MEGACACHE_NAME) if i == 0 else None,
+                    "precompile_save": str(work / PRECOMPILED_NAME)
+                    if i == 0 and spec.compile.precompile
+                    else None,
                     "fingerprint": i == 0,
                     "steady_calls": 5,
                 },
@@ -141,7 +144,7 @@ def bake(
             if auto and i > 0 and compiles == 0:
                 break
         emit({"event": "capture"})
-        files = capture(root, work / MEGACACHE_NAME)
+        files = capture(root, work / MEGACACHE_NAME, work / PRECOMPILED_NAME)
         manifest = _manifest(spec, buckets, runs, pass_stats, files, env)
         emit({"event": "pack", "bytes": sum(f.size for f in files)})
         sha, size = write_artifact(
@@ -219,6 +222,7 @@ def _manifest(
         },
         files=files,
         megacache=MEGACACHE_NAME if any(f.path == MEGACACHE_NAME for f in files) else None,
+        precompiled=PRECOMPILED_NAME if any(f.path == PRECOMPILED_NAME for f in files) else None,
         warnings=_unsettled(runs, pass_stats),
     )
 

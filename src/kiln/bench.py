@@ -10,7 +10,9 @@ blob alone, loaded into an empty cache folder) · ``copied`` (the raw cache fold
 path: the hand-rolled approach) · opt-in ``kiln-blob`` (the restored folder and its Mega-Cache
 blob hot-loaded, as ``kiln.activate`` does). ``cold`` is the bake's own first pass unless
 ``cold_run`` asks for a separate bare loop: both are a fresh process compiling into an empty
-cache.
+cache. For a ``precompile`` spec, ``kiln`` loads the precompiled forwards, and ``cold``,
+``megacache`` and ``copied`` come from a separate plain ``torch.compile`` run, as a user without
+kiln would have them.
 """
 
 from __future__ import annotations
@@ -41,6 +43,7 @@ class ModeResult:
     mode: str
     time_to_ready_s: float
     time_to_warm_s: float
+    startup_s: float  # process start → model built (and precompiled forwards loaded)
     buckets: list[BucketStats]
     note: str = ""
 
@@ -65,6 +68,7 @@ class ModeResult:
             "mode": self.mode,
             "time_to_ready_s": round(self.time_to_ready_s, 3),
             "time_to_warm_s": round(self.time_to_warm_s, 3),
+            "startup_s": round(self.startup_s, 3),
             "first_calls_s": round(self.first_calls_s, 3),
             "compiles": self.compiles,
             "steady_median_s": statistics.median(b.steady_s for b in self.buckets),
@@ -130,6 +134,7 @@ def _mode(mode: str, run: WorkerRun, note: str = "") -> ModeResult:
         mode=mode,
         time_to_ready_s=run.time_to_ready,
         time_to_warm_s=run.time_to_warm,
+        startup_s=run.startup,
         buckets=[BucketStats.model_validate(b) for b in run.result["buckets"]],
         note=note,
     )
@@ -161,7 +166,10 @@ def bench(
         results: dict[str, ModeResult] = {}
         first = baked.runs[0]
         bare_wall = first.ended - first.spawned
-        if "cold" in modes and not cold_run:
+        # A precompile bake fills its folder through torch's AOT route, which a plain
+        # torch.compile only partly hits: the stock alternatives get a plain compile's caches.
+        plain_cold = cold_run or spec.compile.precompile
+        if "cold" in modes and not plain_cold:
             results["cold"] = _mode(
                 "cold", first, "the bake's first pass (fresh process, empty cache)"
             )
@@ -169,8 +177,6 @@ def bench(
         restored = work / "restored"
         restore(baked.artifact, restored)
         restore_s = time.time() - t0
-        copied = work / "copied" / INDUCTOR_DIR
-        shutil.copytree(baked.workdir / INDUCTOR_DIR, copied)
 
         def run(mode: str, extra_env: dict[str, str], **request: Any) -> WorkerRun:
             emit({"event": "mode", "mode": mode})
@@ -197,36 +203,49 @@ def bench(
                 "eager",
                 run("eager", {"TORCHINDUCTOR_CACHE_DIR": str(empty("eager"))}, compile=False),
             )
-        if "cold" in modes and cold_run:
-            root = empty("cold")
-            r = run("cold", {**env, "TORCHINDUCTOR_CACHE_DIR": str(root)}, cache_root=str(root))
-            results["cold"] = _mode("cold", r)
-            bare_wall = r.ended - r.spawned
-        if "kiln" in modes:
+        stock_root, stock_blob = baked.workdir / INDUCTOR_DIR, baked.workdir / MEGACACHE_NAME
+        if plain_cold and {"cold", "megacache", "copied"} & set(modes):
+            stock_root, stock_blob = empty("cold"), work / "cold" / MEGACACHE_NAME
             r = run(
-                "kiln", cache_env(restored, baked.manifest), cache_root=str(restored / INDUCTOR_DIR)
+                "cold",
+                {**env, "TORCHINDUCTOR_CACHE_DIR": str(stock_root)},
+                cache_root=str(stock_root),
+                megacache_save=str(stock_blob),
             )
-            results["kiln"] = _mode("kiln", r, "restored artifact at a new path, via kiln.env")
+            results["cold"] = _mode("cold", r, "plain torch.compile, empty cache")
+            if cold_run:
+                bare_wall = r.ended - r.spawned
+        precompiled = baked.manifest.precompiled
+        served = {
+            "cache_root": str(restored / INDUCTOR_DIR),
+            "precompile_load": str(restored / precompiled) if precompiled else None,
+        }
+        if "kiln" in modes:
+            r = run("kiln", cache_env(restored, baked.manifest), **served)
+            note = "restored artifact at a new path, via kiln.env"
+            results["kiln"] = _mode("kiln", r, note + (" + precompiled" if precompiled else ""))
         if "kiln-blob" in modes and (restored / MEGACACHE_NAME).is_file():
             r = run(
                 "kiln-blob",
                 cache_env(restored, baked.manifest),
-                cache_root=str(restored / INDUCTOR_DIR),
                 megacache_load=str(restored / MEGACACHE_NAME),
+                **served,
             )
             results["kiln-blob"] = _mode("kiln-blob", r, "restored folder + Mega-Cache blob loaded")
-        if "megacache" in modes and (baked.workdir / MEGACACHE_NAME).is_file():
+        if "megacache" in modes and stock_blob.is_file():
             root = empty("megacache")
             r = run(
                 "megacache",
                 {**env, "TORCHINDUCTOR_CACHE_DIR": str(root)},
                 cache_root=str(root),
-                megacache_load=str(baked.workdir / MEGACACHE_NAME),
+                megacache_load=str(stock_blob),
             )
             results["megacache"] = _mode(
                 "megacache", r, "Mega-Cache blob alone into an empty folder"
             )
         if "copied" in modes:
+            copied = work / "copied" / INDUCTOR_DIR
+            shutil.copytree(stock_root, copied)
             r = run(
                 "copied", {**env, "TORCHINDUCTOR_CACHE_DIR": str(copied)}, cache_root=str(copied)
             )
@@ -241,7 +260,10 @@ def bench(
             bare_compile_wall_s=bare_wall,
             artifact_bytes=baked.size,
             restore_s=restore_s,
-            extra={"order": keys, "cold_source": "separate run" if cold_run else "bake pass 1"},
+            extra={
+                "order": keys,
+                "cold_source": "separate plain run" if plain_cold else "bake pass 1",
+            },
         )
     finally:
         if workdir is None:

@@ -16,6 +16,7 @@ from kiln.manifest import FileEntry
 
 INDUCTOR_DIR = "inductor"  # artifact/restore prefix: DIR/inductor is TORCHINDUCTOR_CACHE_DIR
 MEGACACHE_NAME = "megacache.bin"
+PRECOMPILED_NAME = "precompiled.bin"  # serialized AOT forwards (compile.precompile)
 
 _SKIP_DIRS = frozenset({"locks", "__pycache__"})
 _TOP_KINDS = {
@@ -45,6 +46,8 @@ def classify(rel: str) -> str:
     parts = PurePosixPath(rel).parts
     if rel == MEGACACHE_NAME:
         return "megacache"
+    if rel == PRECOMPILED_NAME:
+        return "precompile"
     if len(parts) >= 2 and parts[0] == INDUCTOR_DIR:
         top = parts[1]
         if top in _TOP_KINDS:
@@ -53,8 +56,9 @@ def classify(rel: str) -> str:
     return "other"
 
 
-def capture(cache_root: Path, megacache: Path | None = None) -> list[FileEntry]:
-    """File entries for ``cache_root`` (stored under ``inductor/``) and the Mega-Cache blob."""
+def capture(cache_root: Path, *blobs: Path) -> list[FileEntry]:
+    """File entries for ``cache_root`` (stored under ``inductor/``) and the blobs that exist
+    (the Mega-Cache blob, the precompiled forwards), stored at the artifact root by name."""
     entries: list[FileEntry] = []
     for dirpath, dirnames, filenames in os.walk(cache_root):
         dirnames[:] = sorted(d for d in dirnames if d not in _SKIP_DIRS)
@@ -64,8 +68,7 @@ def capture(cache_root: Path, megacache: Path | None = None) -> list[FileEntry]:
                 continue
             rel = f"{INDUCTOR_DIR}/{path.relative_to(cache_root).as_posix()}"
             entries.append(_entry(path, rel))
-    if megacache is not None and megacache.is_file():
-        entries.append(_entry(megacache, MEGACACHE_NAME))
+    entries.extend(_entry(blob, blob.name) for blob in blobs if blob.is_file())
     return sorted(entries, key=lambda e: e.path)
 
 

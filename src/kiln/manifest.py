@@ -48,6 +48,8 @@ class BucketStats(_Model):
     bundled_kernels: int = 0  # Triton kernels re-emitted from FX cache entries (not compiles)
     new_native: int = 0  # new C++ .so / Triton .cubin files not explained by bundling: compiles
     autotunes: int = 0  # GEMM autotuning runs + new .best_config files: re-benchmarking
+    precompile_misses: int = 0  # calls no precompiled graph accepted (torch.compile fell back)
+    new_files: list[str] = Field(default_factory=list)  # a sample of what compiles wrote: why
     unique_graphs: int = 0
     graph_breaks: int = 0
     recompile_reasons: list[str] = Field(default_factory=list)
@@ -55,7 +57,14 @@ class BucketStats(_Model):
     @property
     def compiles(self) -> int:
         """Everything that compiled in this bucket: zero is the definition of a warm cache."""
-        return self.fx_misses + self.fx_bypass + self.aot_misses + self.new_native + self.autotunes
+        return (
+            self.fx_misses
+            + self.fx_bypass
+            + self.aot_misses
+            + self.new_native
+            + self.autotunes
+            + self.precompile_misses
+        )
 
 
 class PassStats(_Model):
@@ -81,6 +90,7 @@ class Manifest(_Model):
     totals: dict[str, float] = Field(default_factory=dict)
     files: list[FileEntry]
     megacache: str | None = None  # path of the Mega-Cache blob in the artifact, if captured
+    precompiled: str | None = None  # path of the AOT-compiled forwards (compile.precompile)
     warnings: list[str] = Field(default_factory=list)  # what the bake could not settle
 
     def to_bytes(self) -> bytes:

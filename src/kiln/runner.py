@@ -59,6 +59,11 @@ class WorkerRun:
         return float(self.result["first_pass_done"]) - self.spawned
 
     @property
+    def startup(self) -> float:
+        """Process start until the model is built and compiled or loaded, before any call."""
+        return float(self.result.get("model_ready", self.result["first_pass_done"])) - self.spawned
+
+    @property
     def time_to_warm(self) -> float:
         return float(self.result["warm_done"]) - self.spawned
 

@@ -5,6 +5,8 @@ is for servers that prefer code: it sets the same environment, also pushes the v
 config objects when torch was imported already (some are read only at import), raises Dynamo's
 recompile limit to fit the baked grid (past the default of 8 shapes torch silently falls back to
 eager), checks compatibility, and hot-loads the Mega-Cache blob where this torch has it.
+``Activation.compile(model)`` then compiles with exactly the baked arguments, or, when the
+artifact carries precompiled forwards, loads them so the process never traces with Dynamo.
 """
 
 from __future__ import annotations
@@ -20,7 +22,9 @@ from typing import Any, Literal
 from kiln.artifact import read_manifest
 from kiln.check import CheckReport, compare_manifest
 from kiln.errors import IncompatibleError
+from kiln.manifest import Manifest
 from kiln.restore import cache_env
+from kiln.spec import CompileSpec
 
 log = logging.getLogger("kiln")
 
@@ -44,7 +48,28 @@ class Activation:
     check: CheckReport | None
     megacache_loaded: bool | None
     recompile_limit: int | None
+    manifest: Manifest
     warnings: list[str] = field(default_factory=list)
+
+    def compile(self, model: Any) -> Any:
+        """``model`` compiled as baked: ``torch.compile`` with the spec's exact arguments, or the
+        precompiled forwards when the artifact has them (falling back to ``torch.compile``, with
+        a warning, if this torch refuses them). Pass the model already on its device and dtype.
+        """
+        import torch
+
+        kwargs = CompileSpec.model_validate(self.manifest.spec["compile"]).torch_kwargs()
+        if self.manifest.precompiled:
+            from kiln.precompile import PrecompiledForward
+
+            blob = (self.cache_dir / self.manifest.precompiled).read_bytes()
+            try:
+                return PrecompiledForward.load(model, kwargs, blob)
+            except Exception as exc:  # torch's checks raise assorted types; say which, go on
+                note = f"precompiled forwards not usable here ({type(exc).__name__}: {exc})"
+                log.warning("kiln: %s; compiling with torch.compile", note)
+                self.warnings.append(note)
+        return torch.compile(model, **kwargs)
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -54,6 +79,7 @@ class Activation:
             "misses": [f.name for f in self.check.misses] if self.check else [],
             "megacache_loaded": self.megacache_loaded,
             "recompile_limit": self.recompile_limit,
+            "precompiled": self.manifest.precompiled is not None,
             "warnings": self.warnings,
         }
 
@@ -118,4 +144,4 @@ def activate(
             notes.append("torch refused the Mega-Cache blob (the folder caches still apply)")
     for note in notes:
         log.warning("kiln: %s", note)
-    return Activation(cache, env, report, loaded, limit, notes)
+    return Activation(cache, env, report, loaded, limit, manifest, notes)

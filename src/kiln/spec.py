@@ -55,12 +55,23 @@ class CompileSpec(_Strict):
     options: dict[str, Any] = Field(
         default_factory=dict, description="torch.compile options=; exclusive with mode"
     )
+    precompile: bool = Field(
+        False,
+        description=(
+            "also bake AOT-compiled forwards (graphs + guards) so a serving process skips "
+            "Dynamo tracing; needs fullgraph: true and torch >= 2.9"
+        ),
+    )
 
     @model_validator(mode="after")
     def _mode_xor_options(self) -> CompileSpec:
         if self.options and "mode" in self.model_fields_set:
             raise _LocatedValueError(
                 ("options",), "mode and options are mutually exclusive (torch.compile refuses both)"
+            )
+        if self.precompile and not self.fullgraph:
+            raise _LocatedValueError(
+                ("precompile",), "precompile: true needs fullgraph: true (no graph breaks)"
             )
         return self
 

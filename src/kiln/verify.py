@@ -99,6 +99,7 @@ def verify(
             "steady_calls": 10,
             "fingerprint": True,
             "device_index": device_index,
+            "precompile_load": str(cache / manifest.precompiled) if manifest.precompiled else None,
         },
         cache_env(cache, manifest),
         on_event=on_event,

@@ -29,6 +29,8 @@ from kiln.grid import Bucket, expand
 from kiln.spec import Spec, load_spec
 
 _START = time.time()
+_NEW_FILES_SAMPLE = 12
+_COMPILED_SUFFIXES = (*NATIVE_SUFFIXES, *AUTOTUNE_SUFFIXES)
 
 
 def _emit(event: str, **data: Any) -> None:
@@ -156,15 +158,21 @@ def run(request: dict[str, Any]) -> dict[str, Any]:
         raise _SpecProblem("model.kwargs", f"factory rejected its kwargs: {exc}") from exc
     if isinstance(model, torch.nn.Module):
         model = model.to(device=device, dtype=getattr(torch, spec.model.dtype)).eval()
-    fn = (
-        torch.compile(model, **spec.compile.torch_kwargs())
-        if request.get("compile", True)
-        else model
-    )
+    sync()
+    model_built_t = time.time()
+    precompiled, precompile_load_s = _precompiled(request, spec, model)
+    if precompiled is not None:
+        fn: Any = precompiled
+    elif request.get("compile", True):
+        fn = torch.compile(model, **spec.compile.torch_kwargs())
+    else:
+        fn = model
+    building = precompiled is not None and bool(request.get("precompile_save"))
     call_kwargs = dict(spec.model.call_kwargs)
     grid_index = {k: i for i, k in enumerate(buckets)}
     calls = max(int(request.get("calls", 2)), 3 if spec.compile.mode == "reduce-overhead" else 1)
     steady_calls = int(request.get("steady_calls", 5))
+    model_ready_t = time.time()
     _emit("start", buckets=len(order), torch_import_s=torch_import_s)
 
     stats: dict[str, dict[str, Any]] = {}
@@ -176,13 +184,18 @@ def run(request: dict[str, Any]) -> dict[str, Any]:
         sync()
         return time.perf_counter() - t0
 
+    def misses() -> int:
+        return precompiled.misses if precompiled is not None else 0
+
     def measure(body: Any) -> dict[str, Any]:
         before, c0, n0 = _counters(), _compile_seconds(), len(recompiles.messages)
         files0 = snapshot(cache_root) if cache_root else set()
+        p0 = misses()
         result = body()
         after = _counters()
         new = (snapshot(cache_root) - files0) if cache_root else set()
         bundled = _delta(before, after, "inductor", "triton_bundler_read_and_emit_kernel")
+        compiled_files = sorted(n for n in new if n.endswith(_COMPILED_SUFFIXES))
         return {
             "result": result,
             "compile_s": _compile_seconds() - c0,
@@ -200,6 +213,8 @@ def run(request: dict[str, Any]) -> dict[str, Any]:
             "graph_breaks": sum(after.get("graph_break", {}).values())
             - sum(before.get("graph_break", {}).values()),
             "recompile_reasons": recompiles.messages[n0:],
+            "precompile_misses": misses() - p0,
+            "new_files": compiled_files[:_NEW_FILES_SAMPLE],
         }
 
     def add(into: dict[str, Any], more: dict[str, Any]) -> None:
@@ -207,13 +222,21 @@ def run(request: dict[str, Any]) -> dict[str, Any]:
             if k == "result":
                 continue
             into[k] = into.get(k, [] if isinstance(v, list) else 0) + v
+        into["new_files"] = into["new_files"][:_NEW_FILES_SAMPLE]
 
     with torch.inference_mode():
         # Phase 1: every bucket once, in request order. "Ready" in bench terms ends here.
         for i, bucket in enumerate(order):
             seed = grid_index[bucket.key]
             inputs = make_inputs(spec, bucket, device, seed)
-            m = measure(lambda inputs=inputs: timed_call(inputs))
+
+            def first(inputs: dict[str, Any] = inputs) -> float:
+                t0 = time.perf_counter()
+                if building:
+                    precompiled.add(**inputs, **call_kwargs)
+                return timed_call(inputs) + (time.perf_counter() - t0 if building else 0.0)
+
+            m = measure(first)
             stats[bucket.key] = {
                 "key": bucket.key,
                 "sizes": bucket.as_dict(),
@@ -249,6 +272,9 @@ def run(request: dict[str, Any]) -> dict[str, Any]:
             _emit("bucket", phase="warm", index=i, key=bucket.key, steady_s=s["steady_s"])
     warm_t = time.time()
 
+    if building:
+        blob = precompiled.to_bytes()
+        Path(request["precompile_save"]).write_bytes(blob)
     if request.get("megacache_save"):
         saved = torch.compiler.save_cache_artifacts()
         if saved is not None:
@@ -267,11 +293,32 @@ def run(request: dict[str, Any]) -> dict[str, Any]:
         "buckets": [stats[b.key] for b in order],
         "process_start": _START,
         "torch_import_s": torch_import_s,
+        "model_built": model_built_t,
+        "model_ready": model_ready_t,
+        "precompile_load_s": precompile_load_s,
         "first_pass_done": first_pass_t,
         "warm_done": warm_t,
         "megacache": megacache,
         "fingerprint": fp,
     }
+
+
+def _precompiled(request: dict[str, Any], spec: Spec, model: Any) -> tuple[Any, float | None]:
+    """The precompiled forward this run builds (bake) or loads (serve), with its load time."""
+    save, load = request.get("precompile_save"), request.get("precompile_load")
+    if not (save or load):
+        return None, None
+    from kiln.precompile import PrecompiledForward, unsupported_reason
+
+    reason = unsupported_reason()
+    if reason:
+        raise _SpecProblem("compile.precompile", reason)
+    kwargs = spec.compile.torch_kwargs()
+    if save:
+        return PrecompiledForward.empty(model, kwargs), None
+    t0 = time.time()
+    loaded = PrecompiledForward.load(model, kwargs, Path(load).read_bytes())
+    return loaded, time.time() - t0
 
 
 def _cache_info_counts(info: Any) -> dict[str, int]:

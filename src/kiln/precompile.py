@@ -1,0 +1,126 @@
+"""Precompiled forwards (``compile.precompile: true``): a restored process that skips Dynamo.
+
+With the folder caches alone, a fresh process still re-traces the model with Dynamo once per
+bucket and then looks the graph up: on the reference LLM that re-trace is most of a restored
+start. torch's AOT route (``OptimizedModule._aot_compile``, experimental since 2.9) traces and
+compiles one full graph per example input at bake time and serializes graphs *and guards*; a
+serving process deserializes them and dispatches by guard, with no tracing at all. It needs
+``fullgraph=True`` (no graph breaks), and the compiled code still reads its native kernels
+(``.so``/``.cubin``) from the Inductor cache folder, which the artifact restores beside it.
+
+Weights are not in the blob: the compiled graphs take the module as an argument, so the serving
+process builds its model as usual and the blob only replaces ``forward``. A call whose inputs
+match no baked guard (a shape outside the grid, a different grad mode) is not an error: it falls
+back to a normal ``torch.compile`` of the same module, compiles (the one silent miss kiln exists
+to prevent, so it is logged and counted in :attr:`PrecompiledForward.misses`). kiln bakes for
+inference: call the forwards under ``torch.inference_mode()``, as the bake and verify do.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from typing import Any
+
+log = logging.getLogger("kiln")
+
+
+def unsupported_reason() -> str | None:
+    """Why this torch cannot precompile, or None. Checked before a bake spends minutes."""
+    import torch
+    from torch._dynamo.eval_frame import OptimizedModule
+
+    try:
+        from torch._dynamo import aot_compile
+    except ImportError:
+        aot_compile = None
+    if (
+        not hasattr(aot_compile, "AOTCompiledModel")
+        or not hasattr(OptimizedModule, "_aot_compile")
+        or not hasattr(torch._dynamo.config, "enable_aot_compile")
+    ):
+        return f"torch {torch.__version__} has no AOT precompile (needs torch >= 2.9)"
+    return None
+
+
+def _dynamic_config(dynamic: bool | None) -> dict[str, bool]:
+    """Dynamo config equivalent to ``torch.compile(dynamic=...)`` (as torch's own patcher sets)."""
+    if dynamic is None:
+        return {}
+    if dynamic:
+        return {"assume_static_by_default": False}
+    return {"automatic_dynamic_shapes": False, "assume_static_by_default": True}
+
+
+class PrecompiledForward:
+    """Calls the baked graph whose guards accept the inputs; otherwise compiles as torch would.
+
+    Guards are checked once here (torch's own dispatcher checks them twice on a hit and raises
+    on a miss), so each graph's internal check is switched off.
+    """
+
+    def __init__(self, module: Any, torch_kwargs: dict[str, Any], results: list[Any]) -> None:
+        self.module = module
+        self.results = results
+        for r in results:
+            r.disable_guard_check()
+        self._torch_kwargs = {**torch_kwargs, "fullgraph": True}
+        self._fallback: Callable[..., Any] | None = None
+        self.misses = 0
+
+    @classmethod
+    def empty(cls, module: Any, torch_kwargs: dict[str, Any]) -> PrecompiledForward:
+        return cls(module, torch_kwargs, [])
+
+    @classmethod
+    def load(cls, module: Any, torch_kwargs: dict[str, Any], blob: bytes) -> PrecompiledForward:
+        """Deserialize baked forwards for ``module``; raises if this torch/GPU cannot take them.
+
+        Loaded under ``torch.inference_mode()``, as kiln bakes: torch rebuilds the tensor guards
+        against the grad mode current at load time (measured on 2.13: a blob loaded outside
+        inference mode rejects every inference-mode call on a dispatch-key mismatch).
+        """
+        import torch
+        from torch._dynamo.aot_compile import AOTCompiledModel
+
+        with torch.inference_mode():
+            results = AOTCompiledModel.deserialize(module, blob).compiled_results
+        return cls(module, torch_kwargs, results)
+
+    def add(self, **example: Any) -> None:
+        """Trace and compile one full graph for these keyword inputs, in the current grad mode."""
+        import torch
+        from torch._dynamo.aot_compile import ModelInput
+
+        torch._dynamo.config.enable_aot_compile = True
+        compiled = torch.compile(self.module, **self._torch_kwargs)
+        # The module AOT route ignores torch.compile's `dynamic` (2.13): without this, automatic
+        # dynamic shapes turns the second bucket into a dynamic graph that swallows the grid.
+        with torch._dynamo.config.patch(**_dynamic_config(self._torch_kwargs.get("dynamic"))):
+            compiled._aot_compile([ModelInput((), example, [])])
+        (result,) = compiled.forward.compiled_results
+        result.disable_guard_check()
+        self.results.append(result)
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        for r in self.results:
+            if r.guard_check(self.module, *args, **kwargs):
+                return r(self.module, *args, **kwargs)
+        return self._miss(*args, **kwargs)
+
+    def _miss(self, *args: Any, **kwargs: Any) -> Any:
+        import torch
+
+        self.misses += 1
+        if self._fallback is None:
+            log.warning(
+                "kiln: inputs match no precompiled bucket (shape outside the baked grid, or "
+                "another grad mode): compiling with torch.compile"
+            )
+            self._fallback = torch.compile(self.module, **self._torch_kwargs)
+        return self._fallback(*args, **kwargs)
+
+    def to_bytes(self) -> bytes:
+        from torch._dynamo.aot_compile import AOTCompiledModel
+
+        return AOTCompiledModel(self.module, self.results).serialize()
