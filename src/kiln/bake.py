@@ -5,6 +5,9 @@ artifact holds this model's entries and nothing a previous job left in ``/tmp/to
 With automatic-dynamic shapes (``dynamic: null``) what a pod compiles depends on the order its
 requests arrive, so after the first pass the bake runs further fresh-process passes in other
 orders until one compiles nothing: the artifact then covers orders, not just the one CI used.
+Autotuning modes get the same treatment: with coordinate-descent tuning, a fresh process that
+reads the tuned configs back rebuilds Triton kernels the first pass never compiled under those
+exact options (measured on the H200, torch 2.11), so a second pass writes them into the cache.
 """
 
 from __future__ import annotations
@@ -101,7 +104,8 @@ def bake(
     n_passes = passes or spec.warmup.passes
     auto = n_passes is None
     if auto:
-        n_passes = 1 if spec.compile.dynamic is False else MAX_AUTO_PASSES
+        settled = spec.compile.dynamic is False and not _autotunes(spec)
+        n_passes = 1 if settled else MAX_AUTO_PASSES
     orders = rotations(buckets, n_passes)
     emit = on_event or (lambda _e: None)
 
@@ -164,6 +168,14 @@ def bake(
         wall_s=time.time() - t0,
         workdir=kept,
         runs=runs,
+    )
+
+
+def _autotunes(spec: Spec) -> bool:
+    """Whether compiling ``spec`` tunes kernels (whose results a fresh process must re-read)."""
+    options = spec.compile.options
+    return (spec.compile.mode or "").startswith("max-autotune") or any(
+        bool(options.get(k)) for k in ("max_autotune", "coordinate_descent_tuning")
     )
 
 

@@ -113,7 +113,8 @@ class WarmupSpec(_Strict):
         ge=1,
         description=(
             "fresh-process bake passes in different bucket orders; None: 1 for dynamic=false "
-            "(static shapes are keyed per shape), else until a pass compiles nothing (at most 4)"
+            "without autotuning (static shapes are keyed per shape), else until a pass "
+            "compiles nothing (at most 4)"
         ),
     )
 
