@@ -3,8 +3,9 @@
     python examples/serve.py configs/tiny-gpt.yaml --cache out/cache --port 8000
 
 It activates the caches before compiling, compiles with exactly the baked arguments (or loads the
-precompiled forwards when the artifact has them, skipping Dynamo), warms every bucket (3 calls: enough for CUDA graphs to record), and only then answers /ready with 200 and the
-number of compiles the warmup caused (0 when the caches hit).
+precompiled forwards when the artifact has them, skipping Dynamo), warms every bucket (3 calls:
+enough for CUDA graphs to record), and only then answers /ready with 200 and the number of
+compiles the warmup caused (0 when the caches hit).
 """
 
 from __future__ import annotations

@@ -32,6 +32,12 @@ def bench_cmd(
     cold_run: bool = typer.Option(
         False, "--cold-run", help="Time a separate bare compile (default: the bake's first pass)."
     ),
+    repeat: int = typer.Option(
+        1,
+        "--repeat",
+        min=1,
+        help="Run each mode but cold N times (rotating order); report medians and the spread.",
+    ),
     workdir: Path = typer.Option(None, "--workdir", help="Keep artifacts and caches here."),
     save: Path = typer.Option(None, "--save", help="Also write the JSON report to this file."),
     json_: bool = JSON,
@@ -52,6 +58,7 @@ def bench_cmd(
             modes=chosen,
             order=order,
             cold_run=cold_run,
+            repeat=repeat,
             workdir=workdir,
             on_event=sink,
         )
@@ -79,9 +86,14 @@ def bench_cmd(
         for m in report.modes.values():
             vs = m.time_to_ready_s / eager.time_to_ready_s if eager else None
             d = m.to_dict()
+            spread = (
+                f" ({ms(min(m.ready_runs_s))}–{ms(max(m.ready_runs_s))})"
+                if len(m.ready_runs_s) > 1
+                else ""
+            )
             table.add_row(
                 m.mode,
-                ms(m.time_to_ready_s),
+                ms(m.time_to_ready_s) + spread,
                 _x(vs),
                 ms(m.startup_s),
                 ms(m.first_calls_s),
@@ -104,6 +116,8 @@ def bench_cmd(
             + _x(r["bake/bare_compile"])
         )
         k = report.modes.get("kiln")
+        if k and k.note:
+            c.print(f"kiln = {k.note}")
         if k and k.worst_first_request_ratio:
             c.print(
                 "kiln: worst first real request after warmup = "
