@@ -18,27 +18,30 @@ import fcntl
 import hashlib
 import json
 import os
+import queue
 import shlex
 import shutil
 import tarfile
 import tempfile
+import threading
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path, PurePosixPath
-from typing import Any
+from typing import Any, BinaryIO
 
 import zstandard
 
 from kiln.artifact import open_tar_stream, parse_manifest, read_manifest_member
 from kiln.capture import INDUCTOR_DIR
 from kiln.errors import IntegrityError, KilnError, UsageError
-from kiln.manifest import MANIFEST_NAME, Manifest
+from kiln.manifest import MANIFEST_NAME, FileEntry, Manifest
 from kiln.storage import fetch, is_remote
 
 ENV_NAME = "kiln.env"
 STATE_NAME = ".kiln-installed.json"
 _CHUNK = 1 << 20
+_QUEUE = 16  # chunks in flight between the decompressing and the writing thread
 _HEADROOM = 1 << 20
 
 Sink = Callable[[dict[str, Any]], None]
@@ -263,7 +266,84 @@ def _member_kind(m: tarfile.TarInfo) -> str:
     return f"type {m.type!r}"
 
 
+class _FileWriter:
+    """Hashes and writes extracted files on a second thread.
+
+    Decompression (zstd), hashing (hashlib) and writes all release the GIL, so the reader thread
+    can inflate the next chunk while this one hashes and writes the last: the restore runs at the
+    slower of the two instead of their sum. The queue is bounded (memory stays ~_QUEUE chunks),
+    and the first error is raised in the reader on its next call.
+    """
+
+    def __init__(self) -> None:
+        self._queue: queue.Queue[tuple[str, Any] | None] = queue.Queue(maxsize=_QUEUE)
+        self._error: BaseException | None = None
+        self._thread = threading.Thread(target=self._run, name="kiln-restore-writer", daemon=True)
+        self._thread.start()
+
+    def begin(self, target: Path, entry: FileEntry) -> None:
+        self._put(("begin", (target, entry)))
+
+    def write(self, chunk: bytes) -> None:
+        self._put(("data", chunk))
+
+    def end(self) -> None:
+        self._put(("end", None))
+
+    def close(self) -> None:
+        """Wait for every queued byte; raise what the writer hit."""
+        self.close_quietly()
+        self._check()
+
+    def close_quietly(self) -> None:
+        """Stop the thread (idempotent); on the error path the caller's exception wins."""
+        if self._thread.is_alive():
+            self._queue.put(None)
+            self._thread.join()
+
+    def _put(self, item: tuple[str, Any]) -> None:
+        self._check()
+        self._queue.put(item)
+
+    def _check(self) -> None:
+        if self._error is not None:
+            raise self._error
+
+    def _run(self) -> None:
+        out: BinaryIO | None = None
+        h = hashlib.sha256()
+        entry: FileEntry | None = None
+        while (item := self._queue.get()) is not None:
+            if self._error is not None:
+                continue  # drain, so a reader blocked on a full queue can go on and see it
+            kind, payload = item
+            try:
+                if kind == "begin":
+                    target, entry = payload
+                    target.parent.mkdir(parents=True, exist_ok=True)
+                    # Open across queue items, closed on "end" or on the way out.
+                    out, h = open(target, "xb"), hashlib.sha256()  # noqa: SIM115
+                elif kind == "data":
+                    assert out is not None
+                    h.update(payload)
+                    out.write(payload)
+                else:
+                    assert out is not None and entry is not None
+                    out.close()
+                    out = None
+                    if h.hexdigest() != entry.sha256:
+                        raise IntegrityError(f"{entry.path!r}: sha256 differs from the manifest")
+            except BaseException as exc:
+                self._error = exc
+                if out is not None:
+                    out.close()
+                    out = None
+        if out is not None:
+            out.close()
+
+
 def _extract(fh: Any, tree: Path, emit: Sink) -> Manifest:
+    writer = _FileWriter()
     try:
         with open_tar_stream(fh) as tar:
             manifest = read_manifest_member(tar)
@@ -296,21 +376,19 @@ def _extract(fh: Any, tree: Path, emit: Sink) -> Manifest:
                     raise IntegrityError(
                         f"{name!r} is {member.size} bytes, the manifest says {entry.size}"
                     )
-                target = tree / name
-                target.parent.mkdir(parents=True, exist_ok=True)
                 src = tar.extractfile(member)
                 assert src is not None
-                h = hashlib.sha256()
-                with open(target, "xb") as out:
-                    while chunk := src.read(_CHUNK):
-                        h.update(chunk)
-                        out.write(chunk)
-                if h.hexdigest() != entry.sha256:
-                    raise IntegrityError(f"{name!r}: sha256 differs from the manifest")
+                writer.begin(tree / name, entry)
+                while chunk := src.read(_CHUNK):
+                    writer.write(chunk)
+                writer.end()
                 done += entry.size
                 emit({"event": "extract", "bytes": done, "total": total})
+            writer.close()
     except (tarfile.TarError, zstandard.ZstdError, EOFError) as exc:
         raise IntegrityError(f"artifact is corrupt or truncated: {exc}") from None
+    finally:
+        writer.close_quietly()
     missing = sorted(set(allowed) - seen)
     if missing:
         raise IntegrityError(f"artifact is missing {len(missing)} file(s), e.g. {missing[0]!r}")
