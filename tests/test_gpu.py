@@ -48,6 +48,8 @@ def breakdown(report) -> dict:
     fields = (
         "fx_hits",
         "fx_misses",
+        "fx_bypass",
+        "aot_hits",
         "aot_misses",
         "new_native",
         "autotunes",
