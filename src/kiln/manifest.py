@@ -47,7 +47,9 @@ class BucketStats(_Model):
     kernel_loads: int = 0
     bundled_kernels: int = 0  # Triton kernels re-emitted from FX cache entries (not compiles)
     new_native: int = 0  # new C++ .so / Triton .cubin files not explained by bundling: compiles
-    autotunes: int = 0  # GEMM autotuning runs + new .best_config files: re-benchmarking
+    # GEMM autotunes of graphs compiled here + coordinate-descent benchmarks + new .best_config
+    # files: re-benchmarking
+    autotunes: int = 0
     precompile_misses: int = 0  # calls no precompiled graph accepted (torch.compile fell back)
     new_files: list[str] = Field(default_factory=list)  # a sample of what compiles wrote: why
     unique_graphs: int = 0
