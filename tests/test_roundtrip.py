@@ -213,7 +213,7 @@ def test_bake_says_when_a_fresh_process_still_compiles(write_spec, tmp_path: Pat
 
 
 def test_precompiled_forwards_skip_dynamo_and_fall_back_off_grid(
-    write_spec, tmp_path: Path
+    write_spec, tmp_path: Path, cli
 ) -> None:
     """compile.precompile: the restored process runs the grid without tracing a single frame."""
     text = mlp_spec("pre-mlp").replace("  dynamic: false", "  dynamic: false\n  fullgraph: true")
@@ -262,3 +262,9 @@ print(json.dumps({{"act": act.to_dict(), "out": out, "frames": dict(counters["fr
         "misses after 7": 1,
     }
     assert "match no precompiled bucket" in proc.stderr
+
+    # Forwards this torch refuses (here: damaged after restore) are an incompatibility, exit 5.
+    (dest / "precompiled.bin").write_bytes(b"not a pickle")
+    bad = cli("verify", spec_path, "--cache", dest)
+    assert bad.returncode == 5, bad.stderr[-2000:]
+    assert "refuses the precompiled forwards" in bad.stderr

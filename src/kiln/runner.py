@@ -20,7 +20,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from kiln.errors import KilnError
+from kiln.errors import IncompatibleError, KilnError
 from kiln.spec import Spec, error_at
 
 Event = dict[str, Any]
@@ -115,6 +115,8 @@ def run_worker(
     if not result.get("ok"):
         if result.get("kind") == "spec":
             raise error_at(spec, result["key"], result["message"])
+        if result.get("kind") == "incompatible":
+            raise IncompatibleError(result["message"])
         tail = "\n".join(log_text.strip().splitlines()[-15:])
         raise WorkerError(f"{result.get('message')}\n{tail}".strip())
     return WorkerRun(result=result, spawned=spawned, ended=ended, log=log_text)

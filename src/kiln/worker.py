@@ -94,6 +94,10 @@ def resolve_factory(spec: Spec) -> Any:
     return obj
 
 
+class _Incompatible(Exception):
+    """This process cannot use what was baked (exit 5, as ``kiln check`` would say)."""
+
+
 class _SpecProblem(Exception):
     def __init__(self, key: str, message: str) -> None:
         super().__init__(message)
@@ -241,10 +245,13 @@ def run(request: dict[str, Any]) -> dict[str, Any]:
             inputs = make_inputs(spec, bucket, device, seed)
 
             def first(inputs: dict[str, Any] = inputs) -> float:
+                if not building:
+                    return timed_call(inputs)
+                # A precompile bake compiles the bucket ahead of its first call: count both.
                 t0 = time.perf_counter()
-                if building:
-                    precompiled.add(**inputs, **call_kwargs)
-                return timed_call(inputs) + (time.perf_counter() - t0 if building else 0.0)
+                precompiled.add(**inputs, **call_kwargs)
+                timed_call(inputs)
+                return time.perf_counter() - t0
 
             m = measure(first)
             stats[bucket.key] = {
@@ -327,7 +334,13 @@ def _precompiled(request: dict[str, Any], spec: Spec, model: Any) -> tuple[Any, 
     if save:
         return PrecompiledForward.empty(model, kwargs), None
     t0 = time.time()
-    loaded = PrecompiledForward.load(model, kwargs, Path(load).read_bytes())
+    try:
+        loaded = PrecompiledForward.load(model, kwargs, Path(load).read_bytes())
+    except Exception as exc:  # torch's checks raise assorted types
+        raise _Incompatible(
+            f"this torch refuses the precompiled forwards ({type(exc).__name__}: {exc}); "
+            "`kiln check` names the factor that differs"
+        ) from exc
     return loaded, time.time() - t0
 
 
@@ -347,6 +360,10 @@ def main(argv: list[str] | None = None) -> int:
     try:
         result = {"ok": True, **run(request)}
         code = 0
+    except _Incompatible as exc:
+        traceback.print_exc()
+        result = {"ok": False, "kind": "incompatible", "message": str(exc)}
+        code = 5
     except _SpecProblem as exc:
         result = {"ok": False, "kind": "spec", "key": exc.key, "message": str(exc)}
         code = 2
