@@ -227,6 +227,7 @@ def test_precompiled_forwards_skip_dynamo_and_fall_back_off_grid(
     assert report.ok, report.reasons()
     assert sum(b.unique_graphs for b in report.buckets) == 0  # Dynamo traced nothing
     assert sum(b.fx_hits + b.fx_misses for b in report.buckets) == 0
+    assert report.to_dict()["precompile_load_s"] > 0
 
     server = f"""
 import sys, json, torch

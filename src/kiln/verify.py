@@ -119,6 +119,7 @@ def verify(
         time_to_ready_s=run.time_to_ready,
         time_to_warm_s=run.time_to_warm,
         spec_matches=spec.sha256() == manifest.spec_sha256,
+        extra={"precompile_load_s": run.result.get("precompile_load_s")},
     )
     if ready_file is not None:
         ready = Path(ready_file)

@@ -98,6 +98,9 @@ def verify_cmd(
     def human(c: Console) -> None:
         c.print(bucket_table(report.buckets, f"verify {report.name} ({order} order)", verify=True))
         c.print(f"ready in {ms(report.time_to_ready_s)} (process start → every bucket ran once)")
+        if report.extra.get("precompile_load_s") is not None:
+            loaded = ms(report.extra["precompile_load_s"])
+            c.print(f"precompiled forwards loaded in {loaded}: no Dynamo tracing")
         if report.check and not report.check.ok:
             c.print(factor_table(report.check, all_rows=False))
         if not report.spec_matches:
