@@ -33,6 +33,7 @@ from kiln.manifest import BucketStats
 from kiln.restore import cache_env, restore
 from kiln.runner import EventSink, WorkerRun, run_worker
 from kiln.spec import Spec, load_spec
+from kiln.verify import served_request
 
 MODES = ("eager", "cold", "kiln", "megacache", "copied")
 # Opt-in: the restored folder *plus* the hot-loaded blob (kiln.activate's route).
@@ -235,13 +236,8 @@ def bench(
             dest = work / f"{mode}-{i}"
             restore(baked.artifact, dest)
             extra = {"megacache_load": str(dest / MEGACACHE_NAME)} if blob else {}
-            return run(
-                mode,
-                cache_env(dest, baked.manifest),
-                cache_root=str(dest / INDUCTOR_DIR),
-                precompile_load=str(dest / precompiled) if precompiled else None,
-                **extra,
-            )
+            env_ = cache_env(dest, baked.manifest)
+            return run(mode, env_, **served_request(dest, baked.manifest), **extra)
 
         def megacache(i: int) -> WorkerRun:
             root = empty(f"megacache-{i}")

@@ -20,7 +20,7 @@ from kiln.capture import INDUCTOR_DIR
 from kiln.check import CheckReport, compare_manifest
 from kiln.errors import NotFoundError
 from kiln.grid import expand, ordered
-from kiln.manifest import BucketStats
+from kiln.manifest import BucketStats, Manifest
 from kiln.restore import cache_env
 from kiln.runner import EventSink, run_worker
 from kiln.spec import Spec, load_spec
@@ -72,6 +72,15 @@ class VerifyReport:
         }
 
 
+def served_request(cache: Path, manifest: Manifest) -> dict[str, str | None]:
+    """What a worker needs to serve from the restored folder ``cache`` as a pod would (its
+    environment is :func:`~kiln.restore.cache_env`): verify and bench share this."""
+    return {
+        "cache_root": str(cache / INDUCTOR_DIR),
+        "precompile_load": str(cache / manifest.precompiled) if manifest.precompiled else None,
+    }
+
+
 def verify(
     spec: Spec | str | Path,
     cache: str | Path,
@@ -94,12 +103,11 @@ def verify(
         {
             "order": [b.key for b in buckets],
             "calls": spec.warmup.calls,
-            "cache_root": str(cache / INDUCTOR_DIR),
+            **served_request(cache, manifest),
             "first_request": True,
             "steady_calls": 10,
             "fingerprint": True,
             "device_index": device_index,
-            "precompile_load": str(cache / manifest.precompiled) if manifest.precompiled else None,
         },
         cache_env(cache, manifest),
         on_event=on_event,
