@@ -1,16 +1,20 @@
 """Why does a fresh process rebuild Triton kernels under max-autotune? (GPU diagnostic)
 
     python scripts/probe-autotune-rebuild.py [MODE]     # default: max-autotune-no-cudagraphs
+    KILN_PROBE_OPTIONS='{"max_autotune": true, ...}' python scripts/probe-autotune-rebuild.py
 
-Runs the same tiny GPT bucket in three fresh processes sharing one cache folder, then for every
-`.cubin` a later process added, prints how its Triton metadata (`.json`) differs from the
-earlier build of the same kernel name: the options in which the cache keys must differ.
+Runs the same tiny GPT bucket in three fresh processes sharing one cache folder, then a fourth
+in a copy of that folder at another path (as a restore would). For every `.cubin` a later
+process added, prints how its Triton metadata (`.json`) differs from the earlier build of the
+same kernel name: the options in which the cache keys must differ. `KILN_PROBE_OPTIONS` (JSON)
+compiles with `options=` instead of `mode=`.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -29,7 +33,9 @@ def child(mode: str) -> None:
     device = os.environ.get("KILN_PROBE_DEVICE", "cuda")  # cpu: exercise this script anywhere
     dtype = torch.bfloat16 if device == "cuda" else torch.float32
     model = tiny_gpt(vocab=512, dim=128, layers=2, heads=4).to(device, dtype).eval()
-    fn = torch.compile(model, mode=mode, dynamic=False)
+    options = os.environ.get("KILN_PROBE_OPTIONS")
+    kwargs = {"options": json.loads(options)} if options else {"mode": mode}
+    fn = torch.compile(model, dynamic=False, **kwargs)
     x = torch.randint(0, 512, (1, 64), device=device)
     with torch.inference_mode():
         for _ in range(3):
@@ -49,8 +55,12 @@ def files(root: Path) -> set[str]:
 def main() -> None:
     mode = sys.argv[1] if len(sys.argv) > 1 else "max-autotune-no-cudagraphs"
     root = Path(tempfile.mkdtemp(prefix="kiln-probe-")) / "inductor"
-    env = {**os.environ, "TORCHINDUCTOR_CACHE_DIR": str(root)}
-    for i in range(3):
+    for i in range(4):
+        if i == 3:  # the same cache, moved: what a restore into another path sees
+            moved = root.parent / "moved" / "inductor"
+            shutil.copytree(root, moved)
+            root = moved
+        env = {**os.environ, "TORCHINDUCTOR_CACHE_DIR": str(root)}
         before = files(root) if root.exists() else set()
         proc = subprocess.run(
             [sys.executable, __file__, "--child", mode], env=env, capture_output=True, text=True
@@ -59,15 +69,18 @@ def main() -> None:
         cubins = [n for n in new if n.endswith(".cubin")]
         configs = [n for n in new if n.endswith(".best_config")]
         print(
-            f"process {i}: rc {proc.returncode}, {len(new)} new files, {len(cubins)} cubins, "
-            f"{len(configs)} best_configs"
+            f"process {i}{' (moved)' if i == 3 else ''}: rc {proc.returncode}, "
+            f"{len(new)} new files, {len(cubins)} cubins, {len(configs)} best_configs"
         )
-        counts = proc.stdout.strip().splitlines()[-1:] or [""]
-        print("  counters", counts[0][:600])
+        last = (proc.stdout.strip().splitlines() or ["{}"])[-1]
+        inductor = json.loads(last).get("inductor", {}) if last.startswith("{") else {}
+        keys = ("fxgraph_cache_hit", "fxgraph_cache_miss", "coordesc_tuning_bench")
+        keys += ("triton_bundler_load_static_autotuner", "select_algorithm_autotune")
+        print("  counters", {k: inductor.get(k, 0) for k in keys})
         if proc.returncode:
             print(proc.stderr[-3000:])
             return
-        for c in cubins[:4] if i else []:
+        for c in cubins[:2] if i else []:
             new_json = (root / c).with_suffix(".json")
             name = new_json.name
             new_meta = json.loads(new_json.read_text())

@@ -89,31 +89,22 @@ def test_bake_compiled_triton_kernels(gpu_baked) -> None:
     assert sum(b.new_native for b in m.grid) > 0
     if mode.startswith("max-autotune"):
         assert sum(b.autotunes for b in m.grid) > 0
-        # Autotuned bakes run fresh-process passes until one compiles nothing, and say so in
-        # the manifest when none does (torch 2.11: coordinate-descent kernels rebuild).
+        # Autotuned bakes run fresh-process passes until one compiles nothing: the first
+        # fresh process still builds a few coordinate-descent winners the tuning run did not
+        # leave in the Triton cache.
         print(mode, "bake passes compiled", [p.compiles for p in m.passes])
         assert len(m.passes) >= 2
-        assert m.passes[-1].compiles == 0 or "still compiles" in " ".join(m.warnings)
+        assert m.passes[-1].compiles == 0, m.warnings
     assert m.fingerprint["gpu.name"] and m.fingerprint["gpu.capability"]
     assert "triton" in m.bytes_by_kind()
 
 
-def test_restored_cache_compiles_nothing_anywhere_in_any_order(
-    gpu_baked, tmp_path: Path, request
-) -> None:
+def test_restored_cache_compiles_nothing_anywhere_in_any_order(gpu_baked, tmp_path: Path) -> None:
     """Two unrelated paths, two request orders: no FX/AOT miss, no Triton compile, no autotune.
 
     The second path also answers whether Triton's cache survives relocation.
     """
     mode, spec, result = gpu_baked
-    if mode.startswith("max-autotune"):
-        request.applymarker(
-            pytest.mark.xfail(
-                strict=True,
-                reason="torch 2.11 rebuilds coordinate-descent-tuned Triton kernels in every "
-                "fresh process, the bake's own passes included (docs/benchmarks.md)",
-            )
-        )
     for where, order, seed in (("a/cache", "shuffle", 1), ("some/where/else/cache", "reverse", 0)):
         dest = tmp_path / where
         kiln.restore(result.artifact, dest)

@@ -7,7 +7,7 @@ import json
 import pytest
 
 from kiln.errors import SpecError
-from kiln.spec import load_spec
+from kiln.spec import MODE_OPTIONS, load_spec
 from tests.conftest import mlp_spec
 
 
@@ -97,6 +97,45 @@ def test_precompile_needs_fullgraph(write_spec) -> None:
         write_spec(text.replace("precompile: true", "precompile: true\n  fullgraph: true"))
     )
     assert ok.compile.precompile and "precompile" not in ok.compile.torch_kwargs()
+
+
+def test_mode_table_matches_torch() -> None:
+    import torch._inductor
+
+    assert {mode: torch._inductor.list_mode_options(mode) for mode in MODE_OPTIONS} == MODE_OPTIONS
+
+
+@pytest.mark.parametrize(
+    ("compile_lines", "options"),
+    [
+        (
+            "  mode: max-autotune-no-cudagraphs",
+            {
+                "max_autotune": True,
+                "coordinate_descent_tuning": True,
+                "use_static_cuda_launcher": False,
+            },
+        ),
+        (
+            "  options: {max_autotune: true}",
+            {"max_autotune": True, "use_static_cuda_launcher": False},
+        ),
+        (  # the spec's own choice stands
+            "  options: {coordinate_descent_tuning: true, use_static_cuda_launcher: true}",
+            {"coordinate_descent_tuning": True, "use_static_cuda_launcher": True},
+        ),
+        ("  mode: reduce-overhead", None),
+    ],
+)
+def test_autotuning_specs_load_kernels_from_source(
+    write_spec, compile_lines: str, options: dict | None
+) -> None:
+    text = mlp_spec().replace("  dynamic: false", "  dynamic: false\n" + compile_lines)
+    spec = load_spec(write_spec(text))
+    kwargs = spec.compile.torch_kwargs()
+    assert spec.compile.autotunes is (options is not None)
+    assert kwargs.get("options") == options
+    assert ("mode" in kwargs) is (options is None)
 
 
 def test_undeclared_axis(write_spec) -> None:

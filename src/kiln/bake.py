@@ -104,7 +104,7 @@ def bake(
     n_passes = passes or spec.warmup.passes
     auto = n_passes is None
     if auto:
-        settled = spec.compile.dynamic is False and not _autotunes(spec)
+        settled = spec.compile.dynamic is False and not spec.compile.autotunes
         n_passes = 1 if settled else MAX_AUTO_PASSES
     orders = rotations(buckets, n_passes)
     emit = on_event or (lambda _e: None)
@@ -168,14 +168,6 @@ def bake(
         wall_s=time.time() - t0,
         workdir=kept,
         runs=runs,
-    )
-
-
-def _autotunes(spec: Spec) -> bool:
-    """Whether compiling ``spec`` tunes kernels (whose results a fresh process must re-read)."""
-    options = spec.compile.options
-    return (spec.compile.mode or "").startswith("max-autotune") or any(
-        bool(options.get(k)) for k in ("max_autotune", "coordinate_descent_tuning")
     )
 
 

@@ -29,6 +29,19 @@ Mode = Literal["default", "reduce-overhead", "max-autotune", "max-autotune-no-cu
 
 _NAME_RE = r"^[a-z0-9._-]+$"
 
+# torch._inductor.list_mode_options(), restated so that parsing a spec stays torch-free
+# (tests/test_spec.py holds it to torch's table).
+MODE_OPTIONS: dict[str, dict[str, bool]] = {
+    "default": {},
+    "reduce-overhead": {"triton.cudagraphs": True},
+    "max-autotune-no-cudagraphs": {"max_autotune": True, "coordinate_descent_tuning": True},
+    "max-autotune": {
+        "max_autotune": True,
+        "triton.cudagraphs": True,
+        "coordinate_descent_tuning": True,
+    },
+}
+
 
 class _Strict(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
@@ -75,14 +88,34 @@ class CompileSpec(_Strict):
             )
         return self
 
+    def inductor_options(self) -> dict[str, Any]:
+        """The Inductor settings this spec compiles with, whether spelled as mode or options."""
+        return dict(self.options) if self.options else dict(MODE_OPTIONS[self.mode or "default"])
+
+    @property
+    def autotunes(self) -> bool:
+        """Whether compiling tunes kernels, whose results a fresh process must find and re-read."""
+        options = self.inductor_options()
+        return any(bool(options.get(k)) for k in ("max_autotune", "coordinate_descent_tuning"))
+
     def torch_kwargs(self) -> dict[str, Any]:
-        """Keyword arguments for ``torch.compile`` exactly as bake and serve must pass them."""
+        """Keyword arguments for ``torch.compile`` exactly as bake and serve must pass them.
+
+        Autotuning specs compile with ``use_static_cuda_launcher: False`` unless the spec says
+        otherwise. A cache hit loads statically launchable kernels from pickles that keep the
+        bake's file paths and (torch <= 2.11) drop the coordinate-descent flag, so a restored
+        process looks for tuning results in the wrong place and benchmarks again (pytorch#172819).
+        Kernels loaded from source re-read their ``.best_config`` next to the restored source;
+        measured on the H200: 0 coordinate-descent benchmarks after a move, against 14-44.
+        """
         kwargs: dict[str, Any] = {
             "backend": self.backend,
             "dynamic": self.dynamic,
             "fullgraph": self.fullgraph,
         }
-        if self.options:
+        if self.autotunes and "use_static_cuda_launcher" not in self.options:
+            kwargs["options"] = {**self.inductor_options(), "use_static_cuda_launcher": False}
+        elif self.options:
             kwargs["options"] = dict(self.options)
         else:
             kwargs["mode"] = self.mode or "default"
