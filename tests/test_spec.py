@@ -136,6 +136,9 @@ def test_autotuning_specs_load_kernels_from_source(
     assert spec.compile.autotunes is (options is not None)
     assert kwargs.get("options") == options
     assert ("mode" in kwargs) is (options is None)
+    import torch
+
+    torch.compile(torch.nn.Identity(), **kwargs)  # torch checks every option name here
 
 
 def test_undeclared_axis(write_spec) -> None:
