@@ -13,6 +13,8 @@ import pytest
 
 import kiln
 from kiln.errors import KilnError
+from kiln.manifest import BucketStats
+from kiln.verify import explain
 from tests.conftest import MODELS, mlp_spec
 
 pytestmark = pytest.mark.slow
@@ -83,8 +85,37 @@ def test_verify_fails_with_exit_6_on_a_cold_cache(baked, tmp_path: Path, cli) ->
     ready.write_text("stale")
     proc = cli("verify", spec_path, "--cache", dest, "--order", "grid", "--ready-file", ready)
     assert proc.returncode == 6, proc.stderr
-    assert "batch=2: " in proc.stderr and "compile(s)" in proc.stderr
+    assert "batch=2: " in proc.stderr and "compile(s): 1 FX graph, 1 AOT graph" in proc.stderr
     assert not ready.exists()
+
+
+def test_explain_tells_a_key_miss_from_kernel_rebuilds() -> None:
+    base = {"key": "batch=1", "sizes": {"batch": 1}, "first_call_s": 1, "compile_s": 0}
+    retuned = BucketStats(
+        **base,
+        steady_s=0.001,
+        fx_hits=1,
+        aot_hits=1,
+        new_native=11,
+        autotunes=14,
+        new_files=[
+            f"triton/0/{h}/triton_per_fused_mean_{i}.cubin"
+            for h, i in (("A", 1), ("B", 1), ("C", 2))
+        ],
+        recompile_reasons=["0/0: tensor 'x' size mismatch at index 0. expected 4, actual 1"],
+    )
+    assert explain(retuned) == (
+        "batch=1: 25 compile(s): 11 kernel binaries, 14 autotune runs (every graph hit; Triton "
+        "rebuilt or re-tuned kernels: triton_per_fused_mean_1, triton_per_fused_mean_2)"
+    )
+    missed = BucketStats(
+        **base, steady_s=0.001, fx_misses=1, recompile_reasons=retuned.recompile_reasons
+    )
+    assert explain(missed) == (
+        "batch=1: 1 compile(s): 1 FX graph (0/0: tensor 'x' size mismatch at index 0. "
+        "expected 4, actual 1)"
+    )
+    assert explain(missed, "torch.version").endswith("(environment differs: torch.version)")
 
 
 def test_check_names_the_differing_factor(baked, cli) -> None:

@@ -12,7 +12,7 @@ from __future__ import annotations
 import json
 import os
 from dataclasses import dataclass, field
-from pathlib import Path
+from pathlib import Path, PurePosixPath
 from typing import Any
 
 from kiln.artifact import read_manifest
@@ -46,15 +46,8 @@ class VerifyReport:
         return not self.failing
 
     def reasons(self) -> list[str]:
-        out = []
-        for b in self.failing:
-            why = (
-                b.recompile_reasons[-1].splitlines()[-1].strip("- ") if b.recompile_reasons else ""
-            )
-            factors = ", ".join(f.name for f in self.check.misses) if self.check else ""
-            hint = why or (f"environment differs: {factors}" if factors else "cache miss")
-            out.append(f"{b.key}: {b.compiles} compile(s) ({hint})")
-        return out
+        factors = ", ".join(f.name for f in self.check.misses) if self.check else ""
+        return [explain(b, factors) for b in self.failing]
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -70,6 +63,34 @@ class VerifyReport:
             "check": self.check.to_dict() if self.check else None,
             **self.extra,
         }
+
+
+def explain(bucket: BucketStats, factors: str = "") -> str:
+    """One line on what compiled in ``bucket`` and the most specific cause we know.
+
+    A graph that missed is a cache-key question (name the differing factor, else torch's
+    recompile reason). Kernels rebuilt while every graph hit are a different problem — Triton
+    re-tuning or rebuilding — and saying "size mismatch" there would send the reader the wrong way.
+    """
+    b = bucket
+    graphs = b.fx_misses + b.fx_bypass + b.aot_misses + b.precompile_misses
+    counts = (
+        (b.fx_misses + b.fx_bypass, "FX graph", "FX graphs"),
+        (b.aot_misses, "AOT graph", "AOT graphs"),
+        (b.precompile_misses, "precompiled-forward miss", "precompiled-forward misses"),
+        (b.new_native, "kernel binary", "kernel binaries"),
+        (b.autotunes, "autotune run", "autotune runs"),
+    )
+    what = ", ".join(f"{n} {one if n == 1 else many}" for n, one, many in counts if n)
+    if graphs:
+        why = b.recompile_reasons[-1].splitlines()[-1].strip("- ") if b.recompile_reasons else ""
+        hint = f"environment differs: {factors}" if factors else why or "cache miss"
+    else:
+        kernels = sorted({PurePosixPath(n).stem for n in b.new_files})[:3]
+        hint = "every graph hit; Triton rebuilt or re-tuned kernels" + (
+            f": {', '.join(kernels)}" if kernels else ""
+        )
+    return f"{b.key}: {b.compiles} compile(s): {what} ({hint})"
 
 
 def served_request(cache: Path, manifest: Manifest) -> dict[str, str | None]:
