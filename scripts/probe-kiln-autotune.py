@@ -1,11 +1,12 @@
-"""Why does a restored max-autotune cache re-tune when the bake folder itself does not? (GPU)
+"""Why does a restored max-autotune cache sometimes re-tune? (GPU diagnostic)
 
-    python scripts/probe-kiln-autotune.py
+    python scripts/probe-kiln-autotune.py [RESTORES]      # default 4
 
-Bakes the GPU tests' max-autotune spec keeping the bake folder, restores it elsewhere, verifies
-in the order 4,1 and prints: files the bake folder has that the restore lacks, what verify
-added (by suffix), `.best_config` files it rewrote, and whether each new kernel source exists
-in the bake folder under the same name.
+Bakes the GPU tests' max-autotune spec keeping the bake folder, then restores it RESTORES times
+at new paths and verifies each (shuffled with several seeds, and reversed), printing one line per
+verify: how often re-tuning happens. At the first failing verify it prints what verify added and
+rewrote, and asks torch, in a fresh process with the serving environment, whether each re-tuned
+kernel's tuning-cache lookup hits (`autotune_cache_info`, the `.best_config` beside the source).
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ from __future__ import annotations
 import collections
 import json
 import os
+import subprocess
 import sys
 import tempfile
 from pathlib import Path
@@ -21,7 +23,33 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 import kiln  # noqa: E402
+from kiln.artifact import read_manifest  # noqa: E402
+from kiln.restore import cache_env  # noqa: E402
 from tests.test_gpu import gpt_spec  # noqa: E402
+
+# Imports each kernel module that defines one of the named kernels, as an FX hit would, and
+# prints what Inductor's tuning-cache lookup found for it.
+LOOKUP = r"""
+import importlib.util, json, sys
+from pathlib import Path
+root, names = Path(sys.argv[1]), set(sys.argv[2:])
+for py in sorted(root.rglob("*.py")):
+    text = py.read_text(errors="ignore")
+    hit = sorted(n for n in names if f"def {n}(" in text)
+    if not hit or "triton_heuristics" not in text:
+        continue
+    spec = importlib.util.spec_from_file_location(py.stem, py)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    k = getattr(mod, hit[0])
+    configs = getattr(k, "configs", [])
+    print(json.dumps({
+        "kernel": hit[0], "file": py.relative_to(root).as_posix(),
+        "info": getattr(k, "autotune_cache_info", None), "configs": len(configs),
+        "found_by_coordesc": [getattr(c, "found_by_coordesc", None) for c in configs][:3],
+        "best_configs_beside": [p.name[:12] for p in py.parent.glob("*.best_config")],
+    }, default=str))
+"""
 
 
 def tree(root: Path) -> dict[str, bytes]:
@@ -32,7 +60,39 @@ def tree(root: Path) -> dict[str, bytes]:
     }
 
 
+def explain_failure(result, spec: Path, dest: Path, report, restored: dict[str, bytes]) -> None:
+    after = tree(dest / "inductor")
+    new = sorted(set(after) - set(restored))
+    print("  verify added", dict(collections.Counter(Path(n).suffix for n in new)))
+    rewritten = [n for n in restored if n in after and after[n] != restored[n]]
+    print("  verify rewrote", dict(collections.Counter(Path(n).suffix for n in rewritten)))
+    for n in rewritten:
+        if n.endswith(".best_config"):
+            old, cur = json.loads(restored[n]), json.loads(after[n])
+            diff = {k: (old.get(k), cur.get(k)) for k in cur if old.get(k) != cur.get(k)}
+            print("   ", n, diff)
+    names = sorted({Path(f).stem for b in report.buckets for f in b.new_files})
+    print("  re-tuned kernels", names)
+    baked = result.workdir / "inductor"
+    for label, where in (("restored", dest), ("bake folder", baked.parent)):
+        root = where / "inductor"
+        env = {**os.environ, **cache_env(where, read_manifest(dest))}
+        env["TORCHINDUCTOR_CACHE_DIR"] = str(root)
+        proc = subprocess.run(
+            [sys.executable, "-c", LOOKUP, str(root), *names],
+            env=env,
+            capture_output=True,
+            text=True,
+        )
+        print(f"  lookups in the {label}:")
+        for line in proc.stdout.splitlines():
+            print("   ", line[:400])
+        if proc.returncode:
+            print(proc.stderr[-1500:])
+
+
 def main() -> None:
+    restores = int(sys.argv[1]) if len(sys.argv) > 1 else 4
     work = Path(tempfile.mkdtemp(prefix="kiln-probe-kiln-"))
     spec = work / "spec.yaml"
     text = gpt_spec("gpt-mat", "max-autotune-no-cudagraphs")
@@ -41,29 +101,18 @@ def main() -> None:
     spec.write_text(text)
     result = kiln.bake(spec, work / "a.kiln.tar.zst", keep_workdir=True)
     print("passes", [(p.order, p.compiles) for p in result.manifest.passes])
-    baked = tree(result.workdir / "inductor")
-    home = result.workdir / "triton-home"
-    print("triton-home files", sum(1 for p in home.rglob("*") if p.is_file()))
-    dest = work / "x" / "cache"
-    kiln.restore(result.artifact, dest)
-    restored = tree(dest / "inductor")
-    print("in bake folder, not restored:", sorted(set(baked) - set(restored))[:10])
-    report = kiln.verify(spec, dest, order="reverse")
-    print("verify ok", report.ok, [(b.key, b.new_native, b.autotunes) for b in report.buckets])
-    after = tree(dest / "inductor")
-    new = sorted(set(after) - set(restored))
-    print("verify added", collections.Counter(Path(n).suffix for n in new))
-    rewritten = [n for n in restored if n in after and after[n] != restored[n]]
-    print("verify rewrote", rewritten[:10])
-    for n in rewritten:
-        if n.endswith(".best_config"):
-            old, cur = json.loads(restored[n]), json.loads(after[n])
-            print("  ", n, {k: (old.get(k), cur.get(k)) for k in cur if old.get(k) != cur.get(k)})
-    for n in [n for n in new if n.endswith(".py")][:5]:
-        print("  new source", n, "in bake folder:", n in baked)
-    names = {Path(n).name for n in baked}
-    for n in [n for n in new if n.endswith(".best_config")][:5]:
-        print("  new best_config", n, "same name in bake folder:", Path(n).name in names)
+    explained = False
+    runs = [("reverse", 0)] + [("shuffle", seed) for seed in range(1, restores)]
+    for i, (order, seed) in enumerate(runs[:restores]):
+        dest = work / f"restore-{i}" / "cache"
+        kiln.restore(result.artifact, dest)
+        restored = tree(dest / "inductor")
+        report = kiln.verify(spec, dest, order=order, seed=seed)
+        print(f"verify {i} ({order}, seed {seed}): {'ok' if report.ok else 'FAILED'}", end=" ")
+        print(report.order, report.reasons())
+        if not report.ok and not explained:
+            explain_failure(result, spec, dest, report, restored)
+            explained = True
 
 
 if __name__ == "__main__":
