@@ -89,6 +89,16 @@ def test_verify_fails_with_exit_6_on_a_cold_cache(baked, tmp_path: Path, cli) ->
     assert not ready.exists()
 
 
+def test_serving_passes_the_kwargs_the_bake_recorded(baked) -> None:
+    spec_path, result = baked
+    m = result.manifest
+    assert m.compile_kwargs == kiln.load_spec(spec_path).compile.torch_kwargs()
+    recorded = m.model_copy(update={"compile_kwargs": {**m.compile_kwargs, "fullgraph": True}})
+    assert recorded.torch_kwargs()["fullgraph"] is True  # what was baked, not re-derived
+    older = m.model_copy(update={"compile_kwargs": None})  # an artifact from before the field
+    assert older.torch_kwargs() == m.compile_kwargs
+
+
 def test_explain_tells_a_key_miss_from_kernel_rebuilds() -> None:
     base = {"key": "batch=1", "sizes": {"batch": 1}, "first_call_s": 1, "compile_s": 0}
     retuned = BucketStats(

@@ -37,7 +37,7 @@ def test_inspect_real_artifact_without_torch(baked, cli) -> None:
     _, result = baked
     proc = cli("inspect", result.artifact, no_torch=True)
     assert proc.returncode == 0, proc.stderr
-    for word in ("tiny-mlp", "batch=5", "fxgraph", "native", "torch"):
+    for word in ("tiny-mlp", "batch=5", "fxgraph", "native", "torch", "torch.compile(backend="):
         assert word in proc.stdout
 
 

@@ -227,6 +227,7 @@ def _manifest(
         files=files,
         megacache=MEGACACHE_NAME if any(f.path == MEGACACHE_NAME for f in files) else None,
         precompiled=PRECOMPILED_NAME if any(f.path == PRECOMPILED_NAME for f in files) else None,
+        compile_kwargs=spec.compile.torch_kwargs(),
         warnings=_unsettled(runs, pass_stats),
     )
 

@@ -24,7 +24,6 @@ from kiln.check import CheckReport, compare_manifest
 from kiln.errors import IncompatibleError
 from kiln.manifest import Manifest
 from kiln.restore import cache_env
-from kiln.spec import CompileSpec
 
 log = logging.getLogger("kiln")
 
@@ -58,7 +57,7 @@ class Activation:
         """
         import torch
 
-        kwargs = CompileSpec.model_validate(self.manifest.spec["compile"]).torch_kwargs()
+        kwargs = self.manifest.torch_kwargs()
         if self.manifest.precompiled:
             from kiln.precompile import PrecompiledForward
 

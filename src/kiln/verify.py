@@ -93,12 +93,13 @@ def explain(bucket: BucketStats, factors: str = "") -> str:
     return f"{b.key}: {b.compiles} compile(s): {what} ({hint})"
 
 
-def served_request(cache: Path, manifest: Manifest) -> dict[str, str | None]:
+def served_request(cache: Path, manifest: Manifest) -> dict[str, Any]:
     """What a worker needs to serve from the restored folder ``cache`` as a pod would (its
     environment is :func:`~kiln.restore.cache_env`): verify and bench share this."""
     return {
         "cache_root": str(cache / INDUCTOR_DIR),
         "precompile_load": str(cache / manifest.precompiled) if manifest.precompiled else None,
+        "torch_kwargs": manifest.torch_kwargs(),
     }
 
 

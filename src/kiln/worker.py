@@ -167,7 +167,7 @@ def run(request: dict[str, Any]) -> dict[str, Any]:
     if precompiled is not None:
         fn: Any = precompiled
     elif request.get("compile", True):
-        fn = torch.compile(model, **spec.compile.torch_kwargs())
+        fn = torch.compile(model, **_torch_kwargs(request, spec))
     else:
         fn = model
     building = precompiled is not None and bool(request.get("precompile_save"))
@@ -318,6 +318,11 @@ def run(request: dict[str, Any]) -> dict[str, Any]:
     }
 
 
+def _torch_kwargs(request: dict[str, Any], spec: Spec) -> dict[str, Any]:
+    """A serving run passes what the artifact was baked with; a bake derives it from the spec."""
+    return request.get("torch_kwargs") or spec.compile.torch_kwargs()
+
+
 def _precompiled(request: dict[str, Any], spec: Spec, model: Any) -> tuple[Any, float | None]:
     """The precompiled forward this run builds (bake) or loads (serve), with its load time."""
     save, load = request.get("precompile_save"), request.get("precompile_load")
@@ -328,7 +333,7 @@ def _precompiled(request: dict[str, Any], spec: Spec, model: Any) -> tuple[Any, 
     reason = unsupported_reason()
     if reason:
         raise _SpecProblem("compile.precompile", reason)
-    kwargs = spec.compile.torch_kwargs()
+    kwargs = _torch_kwargs(request, spec)
     if save:
         return PrecompiledForward.empty(model, kwargs), None
     t0 = time.time()

@@ -83,6 +83,9 @@ def manifest_view(console: Console, m: Manifest, digest: str | None = None) -> N
     if digest:
         console.print(f"sha256 {digest}")
     console.print(f"spec sha256 {m.spec_sha256}")
+    if m.compile_kwargs is not None:
+        args = ", ".join(f"{k}={v!r}" for k, v in m.compile_kwargs.items())
+        console.print(f"serve with torch.compile({args})", markup=False)
     console.print(fingerprint_table(m.fingerprint, "baked on"))
     console.print(bucket_table(m.grid, f"grid: {len(m.grid)} buckets"))
     kinds = Table(title=f"{len(m.files)} files, {human_bytes(m.total_bytes)}", title_justify="left")
