@@ -122,8 +122,8 @@ def test_explain_tells_a_key_miss_from_kernel_rebuilds() -> None:
         **base, steady_s=0.001, fx_misses=1, recompile_reasons=retuned.recompile_reasons
     )
     assert explain(missed) == (
-        "batch=1: 1 compile(s): 1 FX graph (0/0: tensor 'x' size mismatch at index 0. "
-        "expected 4, actual 1)"
+        "batch=1: 1 compile(s): 1 FX graph (no cached entry matched; Dynamo traced it because "
+        "0/0: tensor 'x' size mismatch at index 0. expected 4, actual 1)"
     )
     assert explain(missed, "torch.version").endswith("(environment differs: torch.version)")
 

@@ -84,7 +84,9 @@ def explain(bucket: BucketStats, factors: str = "") -> str:
     what = ", ".join(f"{n} {one if n == 1 else many}" for n, one, many in counts if n)
     if graphs:
         why = b.recompile_reasons[-1].splitlines()[-1].strip("- ") if b.recompile_reasons else ""
-        hint = f"environment differs: {factors}" if factors else why or "cache miss"
+        hint = f"environment differs: {factors}" if factors else "no cached entry matched"
+        if why and not factors:
+            hint += f"; Dynamo traced it because {why}"
     else:
         kernels = sorted({PurePosixPath(n).stem for n in b.new_files})[:3]
         hint = "every graph hit; Triton rebuilt or re-tuned kernels" + (
