@@ -206,7 +206,9 @@ def test_autotuning_spec_round_trip(write_spec, tmp_path: Path) -> None:
 
     Coordinate-descent tuning only touches Triton kernels, so on CPU this checks the plumbing:
     torch accepts the settings, the bake runs its settling passes, and a restored process
-    compiled with the recorded arguments hits.
+    compiled with the recorded arguments hits. The first pass compiles with the worker pool and
+    the second without (``compile_threads: 1``), so its zero compiles also show that the thread
+    count stays out of the cache key.
     """
     text = mlp_spec("tuned-mlp").replace(
         "  dynamic: false", "  dynamic: false\n  options: {coordinate_descent_tuning: true}"
@@ -216,6 +218,7 @@ def test_autotuning_spec_round_trip(write_spec, tmp_path: Path) -> None:
     assert result.manifest.compile_kwargs["options"] == {
         "coordinate_descent_tuning": True,
         "use_static_cuda_launcher": False,
+        "compile_threads": 1,
     }
     assert len(result.manifest.passes) == 2 and result.manifest.passes[-1].compiles == 0
     dest = tmp_path / "cache"

@@ -105,29 +105,30 @@ def test_mode_table_matches_torch() -> None:
     assert {mode: torch._inductor.list_mode_options(mode) for mode in MODE_OPTIONS} == MODE_OPTIONS
 
 
+LOADING = {"use_static_cuda_launcher": False, "compile_threads": 1}
+
+
 @pytest.mark.parametrize(
     ("compile_lines", "options"),
     [
         (
             "  mode: max-autotune-no-cudagraphs",
+            {"max_autotune": True, "coordinate_descent_tuning": True, **LOADING},
+        ),
+        ("  options: {max_autotune: true}", {"max_autotune": True, **LOADING}),
+        (  # the spec's own choices stand
+            "  options: {coordinate_descent_tuning: true, use_static_cuda_launcher: true,"
+            " compile_threads: 4}",
             {
-                "max_autotune": True,
                 "coordinate_descent_tuning": True,
-                "use_static_cuda_launcher": False,
+                "use_static_cuda_launcher": True,
+                "compile_threads": 4,
             },
-        ),
-        (
-            "  options: {max_autotune: true}",
-            {"max_autotune": True, "use_static_cuda_launcher": False},
-        ),
-        (  # the spec's own choice stands
-            "  options: {coordinate_descent_tuning: true, use_static_cuda_launcher: true}",
-            {"coordinate_descent_tuning": True, "use_static_cuda_launcher": True},
         ),
         ("  mode: reduce-overhead", None),
     ],
 )
-def test_autotuning_specs_load_kernels_from_source(
+def test_autotuning_specs_load_tuned_kernels_in_process(
     write_spec, compile_lines: str, options: dict | None
 ) -> None:
     text = mlp_spec().replace("  dynamic: false", "  dynamic: false\n" + compile_lines)
@@ -136,9 +137,18 @@ def test_autotuning_specs_load_kernels_from_source(
     assert spec.compile.autotunes is (options is not None)
     assert kwargs.get("options") == options
     assert ("mode" in kwargs) is (options is None)
+    cold = spec.compile.cold_torch_kwargs()
+    # A cold compile keeps the worker pool unless the spec itself limits it.
+    assert cold.get("options", {}).get("compile_threads") == (
+        4 if "compile_threads: 4" in compile_lines else None
+    )
+    assert {k: v for k, v in cold.items() if k != "options"} == {
+        k: v for k, v in kwargs.items() if k != "options"
+    }
     import torch
 
-    torch.compile(torch.nn.Identity(), **kwargs)  # torch checks every option name here
+    for checked in (kwargs, cold):
+        torch.compile(torch.nn.Identity(), **checked)  # torch checks every option name here
 
 
 def test_undeclared_axis(write_spec) -> None:

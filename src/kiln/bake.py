@@ -8,6 +8,8 @@ orders until one compiles nothing: the artifact then covers orders, not just the
 Autotuning modes get the same treatment: with coordinate-descent tuning, a fresh process that
 reads the tuned configs back rebuilds Triton kernels the first pass never compiled under those
 exact options (measured on the H200, torch 2.11), so a second pass writes them into the cache.
+The first pass compiles with Inductor's worker pool; later passes load as a server will, with
+the spec's serving arguments (:meth:`~kiln.spec.CompileSpec.torch_kwargs`).
 """
 
 from __future__ import annotations
@@ -128,6 +130,11 @@ def bake(
                 spec,
                 {
                     "order": keys,
+                    # The first pass compiles from nothing (in parallel); every later pass is a
+                    # fresh process loading what it left, exactly as a server will.
+                    "torch_kwargs": spec.compile.cold_torch_kwargs()
+                    if i == 0
+                    else spec.compile.torch_kwargs(),
                     "calls": spec.warmup.calls,
                     "cache_root": str(root),
                     "megacache_save": str(work / MEGACACHE_NAME) if i == 0 else None,

@@ -219,6 +219,7 @@ def bench(
                 {**env, "TORCHINDUCTOR_CACHE_DIR": str(stock_root)},
                 cache_root=str(stock_root),
                 megacache_save=str(stock_blob),
+                torch_kwargs=spec.compile.cold_torch_kwargs(),
             )
             results["cold"] = _mode("cold", r, "plain torch.compile, empty cache")
             if cold_run:

@@ -43,6 +43,20 @@ MODE_OPTIONS: dict[str, dict[str, bool]] = {
 }
 
 
+# What an autotuning spec adds to its Inductor options, and why:
+AUTOTUNE_LOADING: dict[str, Any] = {
+    # On an FX hit, statically launchable kernels come back as pickled autotuners that keep the
+    # bake's file paths and (torch <= 2.11) lose the coordinate-descent flag (pytorch#172819);
+    # kernels loaded from source read the `.best_config` beside the restored source.
+    "use_static_cuda_launcher": False,
+    # A kernel loaded in the compile worker pool returns to the parent pickled, and
+    # triton.Config.__setstate__ (3.6) keeps only its own fields, so `found_by_coordesc` is
+    # dropped and the first call tunes again. Whether the pool is ready yet is a race: the
+    # likely reason restored runs re-tuned only sometimes, and only in a later graph.
+    "compile_threads": 1,
+}
+
+
 class _Strict(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
@@ -99,26 +113,41 @@ class CompileSpec(_Strict):
         return any(bool(options.get(k)) for k in ("max_autotune", "coordinate_descent_tuning"))
 
     def torch_kwargs(self) -> dict[str, Any]:
-        """Keyword arguments for ``torch.compile`` exactly as bake and serve must pass them.
+        """Keyword arguments for ``torch.compile`` exactly as a serving process must pass them.
 
-        Autotuning specs compile with ``use_static_cuda_launcher: False`` unless the spec says
-        otherwise. A cache hit loads statically launchable kernels from pickles that keep the
-        bake's file paths and (torch <= 2.11) drop the coordinate-descent flag, so a restored
-        process looks for tuning results in the wrong place and benchmarks again (pytorch#172819).
-        Kernels loaded from source re-read their ``.best_config`` next to the restored source;
-        measured on the H200: 0 coordinate-descent benchmarks after a move, against 14-44.
+        Autotuning specs get the settings in :data:`AUTOTUNE_LOADING`, which make a warm
+        process use the tuning results it is given instead of benchmarking again; a key the
+        spec sets itself stands. ``use_static_cuda_launcher`` is part of Inductor's cache key,
+        so a server must compile with these arguments (the manifest records them).
         """
         kwargs: dict[str, Any] = {
             "backend": self.backend,
             "dynamic": self.dynamic,
             "fullgraph": self.fullgraph,
         }
-        if self.autotunes and "use_static_cuda_launcher" not in self.options:
-            kwargs["options"] = {**self.inductor_options(), "use_static_cuda_launcher": False}
+        if self.autotunes:
+            options = self.inductor_options()
+            kwargs["options"] = options | {
+                k: v for k, v in AUTOTUNE_LOADING.items() if k not in options
+            }
         elif self.options:
             kwargs["options"] = dict(self.options)
         else:
             kwargs["mode"] = self.mode or "default"
+        return kwargs
+
+    def cold_torch_kwargs(self) -> dict[str, Any]:
+        """:meth:`torch_kwargs` for a compile that starts from an empty cache.
+
+        Only a warm process must load kernels in-process; a cold one compiles hundreds of
+        kernels, which Inductor's worker pool does in parallel. ``compile_threads`` is outside
+        the cache key, so what this compiles, a process with :meth:`torch_kwargs` finds.
+        """
+        kwargs = self.torch_kwargs()
+        if self.autotunes and "compile_threads" not in self.options:
+            kwargs["options"] = {
+                k: v for k, v in kwargs["options"].items() if k != "compile_threads"
+            }
         return kwargs
 
 

@@ -319,7 +319,7 @@ def run(request: dict[str, Any]) -> dict[str, Any]:
 
 
 def _torch_kwargs(request: dict[str, Any], spec: Spec) -> dict[str, Any]:
-    """A serving run passes what the artifact was baked with; a bake derives it from the spec."""
+    """What the caller asked for (a bake pass, or what the artifact recorded), else the spec's."""
     return request.get("torch_kwargs") or spec.compile.torch_kwargs()
 
 
