@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One device-machine call: install carried wheels, run the GPU tests, then the benchmarks.
 # Usage (on the GPU machine, from the repo root): scripts/gpu-run.sh [tests [PYTEST ARGS]|bench SPEC...]
-# BENCH_MODES=eager,cold,kiln,megacache,copied,kiln-blob picks bench modes.
+# BENCH_MODES=eager,cold,kiln,megacache,copied,kiln-blob,kiln-serial picks bench modes.
 # Writes logs and JSON to $OUT (or ./out/gpu) and prints a short table last.
 set -uo pipefail
 OUT=${OUT:-out/gpu}

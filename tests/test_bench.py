@@ -30,17 +30,20 @@ def test_bench_modes_and_ratios(write_spec, cli, tmp_path: Path) -> None:
     for m in modes.values():
         assert m["time_to_ready_s"] > 0 and len(m["buckets"]) == 2
     assert report["ratios"]["kiln/cold"] > 0
-    human = cli("bench", spec, "--modes", "kiln,kiln-blob", "--repeat", "2", "--save", saved)
+    human = cli(
+        "bench", spec, "--modes", "kiln,kiln-blob,kiln-serial", "--repeat", "2", "--save", saved
+    )
     assert human.returncode == 0, human.stderr[-2000:]
     assert "time to ready" in human.stdout and "kiln-blob" in human.stdout
     both = json.loads(saved.read_text())
-    assert set(both["modes"]) == {"kiln", "kiln-blob"}
-    assert [m["compiles"] for m in both["modes"].values()] == [0, 0]
+    assert set(both["modes"]) == {"kiln", "kiln-blob", "kiln-serial"}
+    # kiln-serial compiles with options instead of mode, plus compile_threads: same cache entries.
+    assert [m["compiles"] for m in both["modes"].values()] == [0, 0, 0]
     # --repeat: two runs each, each in its own fresh restore, and the spread in the table.
-    assert [len(m["ready_runs_s"]) for m in both["modes"].values()] == [2, 2]
+    assert [len(m["ready_runs_s"]) for m in both["modes"].values()] == [2, 2, 2]
     assert both["modes"]["kiln"]["time_to_ready_s"] == min(both["modes"]["kiln"]["ready_runs_s"])
     assert " s (" in human.stdout
-    assert both["ratios"]["kiln-blob/kiln"] > 0
+    assert both["ratios"]["kiln-blob/kiln"] > 0 and both["ratios"]["kiln-serial/kiln"] > 0
     bad = cli("bench", spec, "--modes", "kiln,warp", no_torch=True)
     assert bad.returncode == 2 and "warp" in bad.stderr
 

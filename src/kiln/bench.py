@@ -8,11 +8,13 @@ Modes: ``eager`` (no compile) · ``cold`` (torch.compile, empty cache) · ``kiln
 the artifact this run baked, at a new path, through ``kiln.env``) · ``megacache`` (the Mega-Cache
 blob alone, loaded into an empty cache folder) · ``copied`` (the raw cache folder copied to a new
 path: the hand-rolled approach) · opt-in ``kiln-blob`` (the restored folder and its Mega-Cache
-blob hot-loaded, as ``kiln.activate`` does). ``cold`` is the bake's own first pass unless
-``cold_run`` asks for a separate bare loop: both are a fresh process compiling into an empty
-cache. For a ``precompile`` spec, ``kiln`` loads the precompiled forwards, and ``cold``,
-``megacache`` and ``copied`` come from a separate plain ``torch.compile`` run, as a user without
-kiln would have them.
+blob hot-loaded, as ``kiln.activate`` does) · opt-in ``kiln-serial`` (``kiln`` with
+``compile_threads: 1``: kernels load in the serving process and no compile worker pool starts,
+which autotuning specs always do; this measures what it costs or saves the others). ``cold``
+is the bake's own first pass unless ``cold_run`` asks for a separate bare loop: both are a fresh
+process compiling into an empty cache. For a ``precompile`` spec, ``kiln`` loads the precompiled
+forwards, and ``cold``, ``megacache`` and ``copied`` come from a separate plain ``torch.compile``
+run, as a user without kiln would have them.
 """
 
 from __future__ import annotations
@@ -32,12 +34,13 @@ from kiln.grid import expand, ordered
 from kiln.manifest import BucketStats
 from kiln.restore import cache_env, restore
 from kiln.runner import EventSink, WorkerRun, run_worker
-from kiln.spec import Spec, load_spec
+from kiln.spec import MODE_OPTIONS, Spec, load_spec
 from kiln.verify import served_request
 
 MODES = ("eager", "cold", "kiln", "megacache", "copied")
-# Opt-in: the restored folder *plus* the hot-loaded blob (kiln.activate's route).
-EXTRA_MODES = ("kiln-blob",)
+# Opt-in: the restored folder *plus* the hot-loaded blob (kiln.activate's route), and kiln with
+# kernels loaded in-process.
+EXTRA_MODES = ("kiln-blob", "kiln-serial")
 
 
 @dataclass
@@ -105,6 +108,7 @@ class BenchReport:
             for a, b in (
                 ("kiln", "cold"),
                 ("kiln-blob", "kiln"),
+                ("kiln-serial", "kiln"),
                 ("kiln", "megacache"),
                 ("kiln", "copied"),
                 ("kiln", "eager"),
@@ -232,13 +236,15 @@ def bench(
             root = empty(f"eager-{i}")
             return run("eager", {"TORCHINDUCTOR_CACHE_DIR": str(root)}, compile=False)
 
-        def kiln_run(i: int, blob: bool = False) -> WorkerRun:
-            mode = "kiln-blob" if blob else "kiln"
+        def kiln_run(i: int, mode: str = "kiln") -> WorkerRun:
             dest = work / f"{mode}-{i}"
             restore(baked.artifact, dest)
-            extra = {"megacache_load": str(dest / MEGACACHE_NAME)} if blob else {}
-            env_ = cache_env(dest, baked.manifest)
-            return run(mode, env_, **served_request(dest, baked.manifest), **extra)
+            request = served_request(dest, baked.manifest)
+            if mode == "kiln-blob":
+                request["megacache_load"] = str(dest / MEGACACHE_NAME)
+            if mode == "kiln-serial":
+                request["torch_kwargs"] = in_process(request["torch_kwargs"])
+            return run(mode, cache_env(dest, baked.manifest), **request)
 
         def megacache(i: int) -> WorkerRun:
             root = empty(f"megacache-{i}")
@@ -260,8 +266,12 @@ def bench(
                 + (" + precompiled" if precompiled else ""),
             ),
             "kiln-blob": (
-                lambda i: kiln_run(i, blob=True),
+                lambda i: kiln_run(i, "kiln-blob"),
                 "restored folder + Mega-Cache blob loaded",
+            ),
+            "kiln-serial": (
+                lambda i: kiln_run(i, "kiln-serial"),
+                "kiln, kernels loaded in-process (compile_threads: 1)",
             ),
             "megacache": (megacache, "Mega-Cache blob alone into an empty folder"),
             "copied": (copied, "raw cache folder copied to a new path"),
@@ -299,3 +309,13 @@ def bench(
     finally:
         if workdir is None:
             shutil.rmtree(work, ignore_errors=True)
+
+
+def in_process(torch_kwargs: dict[str, Any]) -> dict[str, Any]:
+    """``torch_kwargs`` with ``compile_threads: 1``; a ``mode`` becomes its options, since
+    torch.compile takes one or the other. Same cache key: torch leaves the thread count out."""
+    kwargs = dict(torch_kwargs)
+    options = kwargs.pop("options", None)
+    if options is None:
+        options = MODE_OPTIONS[kwargs.pop("mode", None) or "default"]
+    return kwargs | {"options": {**options, "compile_threads": 1}}

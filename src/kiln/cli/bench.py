@@ -26,7 +26,7 @@ def bench_cmd(
     modes: str = typer.Option(
         "eager,cold,kiln,megacache,copied",
         "--modes",
-        help="Comma-separated modes: eager, cold, kiln, megacache, copied, kiln-blob.",
+        help="Comma-separated modes: eager, cold, kiln, megacache, copied, kiln-blob, kiln-serial.",
     ),
     order: str = typer.Option("shuffle", "--order", help="Request order: shuffle, grid, reverse."),
     cold_run: bool = typer.Option(
