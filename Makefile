@@ -6,7 +6,7 @@ BIN := $(VENV)/bin
 # The pinned CPU build goes in first: a bare `torch` requirement would pull a multi-GB CUDA build.
 TORCH ?= torch==2.13.0
 
-.PHONY: venv test demo clean
+.PHONY: venv test demo clean gpu-wheels
 
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -31,3 +31,9 @@ demo: venv
 
 clean:
 	rm -rf out $(VENV)
+
+# The GPU machine (torch 2.11, Python 3.12, no network) lacks a few of kiln's dependencies:
+# fetch them as wheels into .whl/, which scripts/gpu-run.sh installs there.
+gpu-wheels: venv
+	$(BIN)/python -m pip download -q --only-binary=:all: --python-version 3.12 --implementation cp \
+	  --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 -d .whl zstandard pydantic
