@@ -135,6 +135,7 @@ def test_autotuning_specs_load_tuned_kernels_in_process(
     spec = load_spec(write_spec(text))
     kwargs = spec.compile.torch_kwargs()
     assert spec.compile.autotunes is (options is not None)
+    assert spec.compile.cudagraphs is ("reduce-overhead" in compile_lines)
     assert kwargs.get("options") == options
     assert ("mode" in kwargs) is (options is None)
     cold = spec.compile.cold_torch_kwargs()

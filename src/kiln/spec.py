@@ -112,6 +112,12 @@ class CompileSpec(_Strict):
         options = self.inductor_options()
         return any(bool(options.get(k)) for k in ("max_autotune", "coordinate_descent_tuning"))
 
+    @property
+    def cudagraphs(self) -> bool:
+        """Whether calls are CUDA-graphed: a warm bucket needs its graph recorded, not just
+        compiled (warm-up call, recording call, then replays)."""
+        return bool(self.inductor_options().get("triton.cudagraphs"))
+
     def torch_kwargs(self) -> dict[str, Any]:
         """Keyword arguments for ``torch.compile`` exactly as a serving process must pass them.
 

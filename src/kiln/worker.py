@@ -173,7 +173,7 @@ def run(request: dict[str, Any]) -> dict[str, Any]:
     building = precompiled is not None and bool(request.get("precompile_save"))
     call_kwargs = dict(spec.model.call_kwargs)
     grid_index = {k: i for i, k in enumerate(buckets)}
-    calls = max(int(request.get("calls", 2)), 3 if spec.compile.mode == "reduce-overhead" else 1)
+    calls = max(int(request.get("calls", 2)), 3 if spec.compile.cudagraphs else 1)
     steady_calls = int(request.get("steady_calls", 5))
     model_ready_t = time.time()
     _emit("start", buckets=len(order), torch_import_s=torch_import_s)
