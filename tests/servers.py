@@ -1,4 +1,4 @@
-"""Real servers on loopback for storage tests: an OCI registry and an S3-compatible server.
+"""Real servers on loopback for storage tests: an OCI registry, S3- and GCS-compatible servers.
 
 In CI (CI=true) a server that cannot start fails the tests loudly; on a developer machine without
 the binary they are skipped with the reason.
@@ -89,4 +89,20 @@ def s3_server(workdir: Path) -> Iterator[str]:
         unavailable("no moto_server (pip install 'moto[server]')")
     port = free_port()
     with server([binary, "-H", "127.0.0.1", "-p", str(port)], f"http://127.0.0.1:{port}/", workdir):
+        yield f"http://127.0.0.1:{port}"
+
+
+@contextmanager
+def gcs_server(workdir: Path, bucket: str) -> Iterator[str]:
+    """gcp-storage-emulator (in the test extra), in memory, with ``bucket`` created.
+
+    gcsfs talks to it when ``STORAGE_EMULATOR_HOST`` names it, the variable Google's own clients
+    honour, so kiln's code path is the production one.
+    """
+    binary = Path(os.sys.executable).parent / "gcp-storage-emulator"
+    if not binary.exists():
+        unavailable("no gcp-storage-emulator (pip install gcp-storage-emulator)")
+    port = free_port()
+    argv = [str(binary), "start", "-H", "127.0.0.1", "--port", str(port), "-M", "-q"]
+    with server([*argv, "--default-bucket", bucket], f"http://127.0.0.1:{port}/", workdir):
         yield f"http://127.0.0.1:{port}"

@@ -1,4 +1,5 @@
-"""Push and restore through real servers on loopback: S3 (moto), an OCI registry, HTTP.
+"""Push and restore through real servers on loopback: S3 (moto), GCS (gcp-storage-emulator),
+an OCI registry, HTTP.
 
 Push by digest and restore by digest must round-trip byte-identically.
 """
@@ -15,7 +16,7 @@ import pytest
 import kiln
 from kiln.errors import IntegrityError, NotFoundError, UsageError
 from tests.archives import good_archive
-from tests.servers import oci_registry, s3_server
+from tests.servers import gcs_server, oci_registry, s3_server
 
 FILES = {"inductor/fxgraph/a/entry": b"A" * 5000, "inductor/xy/k.py": b"print(1)\n"}
 
@@ -55,28 +56,40 @@ def aws_env(s3: str, monkeypatch: pytest.MonkeyPatch) -> dict[str, str]:
     return env
 
 
-def test_s3_push_and_restore_round_trip(tmp_path: Path, aws_env, cli) -> None:
+@pytest.fixture(scope="module")
+def gcs(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    with gcs_server(tmp_path_factory.mktemp("gcs"), bucket="kiln") as endpoint:
+        yield endpoint
+
+
+@pytest.fixture
+def gcs_env(gcs: str, monkeypatch: pytest.MonkeyPatch) -> dict[str, str]:
+    """Google's clients go to an emulator named by STORAGE_EMULATOR_HOST, anonymously."""
+    monkeypatch.setenv("STORAGE_EMULATOR_HOST", gcs)
+    return {"STORAGE_EMULATOR_HOST": gcs}
+
+
+@pytest.mark.parametrize(("scheme", "env_fixture"), [("s3", "aws_env"), ("gs", "gcs_env")])
+def test_object_store_push_and_restore_round_trip(
+    tmp_path: Path, scheme: str, env_fixture: str, request: pytest.FixtureRequest, cli
+) -> None:
+    env = request.getfixturevalue(env_fixture)
     art = good_archive(tmp_path / "a.kiln.tar.zst", FILES)
-    pushed = kiln.push(art, "s3://kiln/artifacts/")
-    assert pushed["dest"] == "s3://kiln/artifacts/a.kiln.tar.zst"
+    pushed = kiln.push(art, f"{scheme}://kiln/artifacts/")
+    assert pushed["dest"] == f"{scheme}://kiln/artifacts/a.kiln.tar.zst"
     assert pushed["sha256"] == sha(art)
     result = kiln.restore(pushed["dest"], tmp_path / "cache", sha256=pushed["sha256"])
     assert result.sha256 == sha(art)
     assert (tmp_path / "cache/inductor/xy/k.py").read_bytes() == FILES["inductor/xy/k.py"]
     with pytest.raises(NotFoundError):
-        kiln.restore("s3://kiln/artifacts/missing.kiln.tar.zst", tmp_path / "c2")
-    proc = cli("push", art, "s3://kiln/cli/x.kiln.tar.zst", "--json", no_torch=True, env=aws_env)
+        kiln.restore(f"{scheme}://kiln/artifacts/missing.kiln.tar.zst", tmp_path / "c2")
+    url = f"{scheme}://kiln/cli/x.kiln.tar.zst"
+    proc = cli("push", art, url, "--json", no_torch=True, env=env)
     assert proc.returncode == 0, proc.stderr
     assert json.loads(proc.stdout)["sha256"] == sha(art)
-    proc = cli(
-        "restore",
-        "s3://kiln/cli/x.kiln.tar.zst",
-        "--dest",
-        tmp_path / "c3",
-        no_torch=True,
-        env=aws_env,
-    )
+    proc = cli("restore", url, "--dest", tmp_path / "c3", no_torch=True, env=env)
     assert proc.returncode == 0, proc.stderr
+    assert (tmp_path / "c3/inductor/xy/k.py").read_bytes() == FILES["inductor/xy/k.py"]
 
 
 def test_oci_push_by_tag_restore_by_digest(tmp_path: Path, registry: str, cli) -> None:
