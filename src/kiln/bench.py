@@ -10,7 +10,7 @@ blob alone, loaded into an empty cache folder) · ``copied`` (the raw cache fold
 path: the hand-rolled approach) · opt-in ``kiln-blob`` (the restored folder and its Mega-Cache
 blob hot-loaded, as ``kiln.activate`` does) · opt-in ``kiln-serial`` (``kiln`` with
 ``compile_threads: 1``: kernels load in the serving process and no compile worker pool starts,
-which autotuning specs always do; this measures what it costs or saves the others). ``cold``
+as kiln already serves autotuning specs; it measures what that costs or saves the rest). ``cold``
 is the bake's own first pass unless ``cold_run`` asks for a separate bare loop: both are a fresh
 process compiling into an empty cache. For a ``precompile`` spec, ``kiln`` loads the precompiled
 forwards, and ``cold``, ``megacache`` and ``copied`` come from a separate plain ``torch.compile``
