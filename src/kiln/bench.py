@@ -34,7 +34,7 @@ from kiln.grid import expand, ordered
 from kiln.manifest import BucketStats
 from kiln.restore import cache_env, restore
 from kiln.runner import EventSink, WorkerRun, run_worker
-from kiln.spec import MODE_OPTIONS, Spec, load_spec
+from kiln.spec import Spec, load_spec, with_compile_threads
 from kiln.verify import served_request
 
 MODES = ("eager", "cold", "kiln", "megacache", "copied")
@@ -243,7 +243,7 @@ def bench(
             if mode == "kiln-blob":
                 request["megacache_load"] = str(dest / MEGACACHE_NAME)
             if mode == "kiln-serial":
-                request["torch_kwargs"] = in_process(request["torch_kwargs"])
+                request["torch_kwargs"] = with_compile_threads(request["torch_kwargs"], 1)
             return run(mode, cache_env(dest, baked.manifest), **request)
 
         def megacache(i: int) -> WorkerRun:
@@ -309,13 +309,3 @@ def bench(
     finally:
         if workdir is None:
             shutil.rmtree(work, ignore_errors=True)
-
-
-def in_process(torch_kwargs: dict[str, Any]) -> dict[str, Any]:
-    """``torch_kwargs`` with ``compile_threads: 1``; a ``mode`` becomes its options, since
-    torch.compile takes one or the other. Same cache key: torch leaves the thread count out."""
-    kwargs = dict(torch_kwargs)
-    options = kwargs.pop("options", None)
-    if options is None:
-        options = MODE_OPTIONS[kwargs.pop("mode", None) or "default"]
-    return kwargs | {"options": {**options, "compile_threads": 1}}

@@ -151,10 +151,24 @@ class CompileSpec(_Strict):
         """
         kwargs = self.torch_kwargs()
         if self.autotunes and "compile_threads" not in self.options:
-            kwargs["options"] = {
-                k: v for k, v in kwargs["options"].items() if k != "compile_threads"
-            }
+            return with_compile_threads(kwargs, None)
         return kwargs
+
+
+def with_compile_threads(torch_kwargs: dict[str, Any], threads: int | None) -> dict[str, Any]:
+    """``torch_kwargs`` with Inductor's compile thread count set (``None``: torch's default).
+
+    A ``mode`` becomes its options, since torch.compile takes one or the other. The count is
+    outside Inductor's cache key, so the result hits what ``torch_kwargs`` compiled.
+    """
+    kwargs = dict(torch_kwargs)
+    options = kwargs.pop("options", None)
+    if options is None:
+        options = MODE_OPTIONS[kwargs.pop("mode", None) or "default"]
+    options = {k: v for k, v in options.items() if k != "compile_threads"}
+    if threads is not None:
+        options["compile_threads"] = threads
+    return kwargs | {"options": options}
 
 
 class InputSpec(_Strict):
