@@ -51,8 +51,9 @@ AUTOTUNE_LOADING: dict[str, Any] = {
     "use_static_cuda_launcher": False,
     # A kernel loaded in the compile worker pool returns to the parent pickled, and
     # triton.Config.__setstate__ (3.6) keeps only its own fields, so `found_by_coordesc` is
-    # dropped and the first call tunes again. Whether the pool is ready yet is a race: the
-    # likely reason restored runs re-tuned only sometimes, and only in a later graph.
+    # dropped and the first call tunes again. Whether the pool is ready yet is a race, so
+    # restored runs re-tuned only sometimes (H200: 134 benchmarks through a ready pool, 0 with
+    # this setting; docs/benchmarks.md).
     "compile_threads": 1,
 }
 
