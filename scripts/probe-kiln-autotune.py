@@ -24,7 +24,7 @@ sys.path.insert(0, str(ROOT))
 
 import kiln  # noqa: E402
 from kiln.artifact import read_manifest  # noqa: E402
-from kiln.restore import cache_env  # noqa: E402
+from kiln.serving import cache_env  # noqa: E402
 from tests.test_gpu import gpt_spec  # noqa: E402
 
 # Imports each kernel module that defines one of the named kernels, as an FX hit would, and
@@ -76,7 +76,7 @@ def explain_failure(result, spec: Path, dest: Path, report, restored: dict[str, 
     baked = result.workdir / "inductor"
     for label, where in (("restored", dest), ("bake folder", baked.parent)):
         root = where / "inductor"
-        env = {**os.environ, **cache_env(where, read_manifest(dest))}
+        env = {**os.environ, **cache_env(where, read_manifest(dest).env)}
         env["TORCHINDUCTOR_CACHE_DIR"] = str(root)
         proc = subprocess.run(
             [sys.executable, "-c", LOOKUP, str(root), *names],

@@ -19,7 +19,8 @@ from pathlib import Path
 import pytest
 
 from kiln.errors import IntegrityError, KilnError, NotFoundError, UsageError
-from kiln.restore import ENV_NAME, restore
+from kiln.restore import restore
+from kiln.serving import ENV_NAME
 from tests.archives import good_archive, manifest_for, reg, special, write_archive
 
 FILES = {"inductor/fxgraph/a/entry": b"A" * 1000, "inductor/xy/k.py": b"print(1)\n"}

@@ -27,11 +27,12 @@ from pathlib import Path
 from typing import Any
 
 from kiln.artifact import sha256_file, source_date_epoch, write_artifact
-from kiln.capture import INDUCTOR_DIR, MEGACACHE_NAME, PRECOMPILED_NAME, capture
+from kiln.capture import capture
 from kiln.errors import UsageError
 from kiln.grid import Bucket, expand, rotations
 from kiln.manifest import BucketStats, Manifest, PassStats
 from kiln.runner import EventSink, WorkerRun, run_worker
+from kiln.serving import INDUCTOR_DIR, MEGACACHE_NAME, PRECOMPILED_NAME
 from kiln.spec import Spec, load_spec
 
 MAX_AUTO_PASSES = 4

@@ -28,12 +28,12 @@ from pathlib import Path
 from typing import Any
 
 from kiln.bake import BakeResult, bake, serving_env
-from kiln.capture import INDUCTOR_DIR, MEGACACHE_NAME
 from kiln.errors import UsageError
 from kiln.grid import expand, ordered
 from kiln.manifest import BucketStats
-from kiln.restore import cache_env, restore
+from kiln.restore import restore
 from kiln.runner import EventSink, WorkerRun, run_worker
+from kiln.serving import INDUCTOR_DIR, MEGACACHE_NAME, cache_env
 from kiln.spec import Spec, load_spec, with_compile_threads
 from kiln.verify import served_request
 
@@ -244,7 +244,7 @@ def bench(
                 request["megacache_load"] = str(dest / MEGACACHE_NAME)
             if mode == "kiln-serial":
                 request["torch_kwargs"] = with_compile_threads(request["torch_kwargs"], 1)
-            return run(mode, cache_env(dest, baked.manifest), **request)
+            return run(mode, cache_env(dest, baked.manifest.env), **request)
 
         def megacache(i: int) -> WorkerRun:
             root = empty(f"megacache-{i}")

@@ -13,10 +13,7 @@ from pathlib import Path, PurePosixPath
 
 from kiln.artifact import sha256_file
 from kiln.manifest import FileEntry
-
-INDUCTOR_DIR = "inductor"  # artifact/restore prefix: DIR/inductor is TORCHINDUCTOR_CACHE_DIR
-MEGACACHE_NAME = "megacache.bin"
-PRECOMPILED_NAME = "precompiled.bin"  # serialized AOT forwards (compile.precompile)
+from kiln.serving import INDUCTOR_DIR, MEGACACHE_NAME, PRECOMPILED_NAME
 
 _SKIP_DIRS = frozenset({"locks", "__pycache__"})
 _TOP_KINDS = {

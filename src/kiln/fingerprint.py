@@ -15,15 +15,14 @@ import platform
 from dataclasses import asdict, dataclass
 from typing import Any
 
+from kiln.serving import CACHE_LOCATION_VARS
+
 # Environment that changes compiled code or cache keys. Cache *locations* are excluded on
 # purpose: the restored cache lives at another path by design.
 _ENV_PREFIXES = ("TORCHINDUCTOR_", "TORCH_COMPILE_", "TORCHDYNAMO_", "TRITON_", "PYTORCH_")
 _ENV_EXACT = ("CUDA_VISIBLE_DEVICES", "TORCH_CUDA_ARCH_LIST", "CUDA_LAUNCH_BLOCKING")
-_ENV_IGNORED = frozenset(
+_ENV_IGNORED = CACHE_LOCATION_VARS | frozenset(
     {
-        "TORCHINDUCTOR_CACHE_DIR",
-        "TRITON_CACHE_DIR",
-        "TRITON_HOME",
         "TORCHINDUCTOR_COMPILE_THREADS",  # parallelism, not output
         "TORCHINDUCTOR_WORKER_START",
         "PYTORCH_CUDA_ALLOC_CONF",

@@ -19,7 +19,6 @@ import hashlib
 import json
 import os
 import queue
-import shlex
 import shutil
 import tarfile
 import tempfile
@@ -33,13 +32,11 @@ from typing import Any, BinaryIO
 import zstandard
 
 from kiln.artifact import open_tar_stream, parse_manifest, read_manifest_member
-from kiln.capture import INDUCTOR_DIR
 from kiln.errors import IntegrityError, KilnError, UsageError
 from kiln.manifest import MANIFEST_NAME, FileEntry, Manifest
+from kiln.serving import ENV_NAME, INDUCTOR_DIR, STATE_NAME, env_file_text
 from kiln.storage import fetch, is_remote
 
-ENV_NAME = "kiln.env"
-STATE_NAME = ".kiln-installed.json"
 _CHUNK = 1 << 20
 _QUEUE = 16  # chunks in flight between the decompressing and the writing thread
 _HEADROOM = 1 << 20
@@ -70,26 +67,6 @@ class RestoreResult:
             "env_file": str(self.env_file),
             "cache_dir": str(self.dest / INDUCTOR_DIR),
         }
-
-
-def cache_env(dest: Path, manifest: Manifest) -> dict[str, str]:
-    """The environment a serving process needs to hit the caches restored at ``dest``.
-
-    One definition for `kiln.env`, `kiln.activate()`, verify and bench, so the no-code route and
-    the proof cannot drift apart.
-    """
-    return {
-        "TORCHINDUCTOR_CACHE_DIR": str(dest / INDUCTOR_DIR),
-        "KILN_CACHE_DIR": str(dest),
-        **manifest.env,
-    }
-
-
-def env_lines(dest: Path, manifest: Manifest) -> str:
-    """``kiln.env``: :func:`cache_env` as shell ``export`` lines."""
-    body = "".join(f"export {k}={shlex.quote(v)}\n" for k, v in cache_env(dest, manifest).items())
-    header = f"# written by kiln restore for {manifest.name}: `. {dest / ENV_NAME}` to serve\n"
-    return header + body
 
 
 def installed_digest(dest: Path) -> str | None:
@@ -175,7 +152,7 @@ def restore(
             if fetched.downloaded:
                 fetched.path.unlink()
             (tree / MANIFEST_NAME).write_bytes(manifest.to_bytes())
-            (tree / ENV_NAME).write_text(env_lines(dest, manifest))
+            (tree / ENV_NAME).write_text(env_file_text(dest, manifest.name, manifest.env))
             state = {"artifact_sha256": fetched.sha256, "source": source, "restored": time.time()}
             (tree / STATE_NAME).write_text(json.dumps(state))
             _swap(tree, dest)

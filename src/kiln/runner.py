@@ -21,24 +21,15 @@ from pathlib import Path
 from typing import Any
 
 from kiln.errors import IncompatibleError, KilnError
+from kiln.serving import is_cache_location
 from kiln.spec import Spec, error_at
 
 Event = dict[str, Any]
 EventSink = Callable[[Event], None]
 
-# Variables that point torch at caches or remote caches: never inherited by a worker.
-_SCRUB_EXACT = frozenset(
-    {"TORCHINDUCTOR_CACHE_DIR", "TRITON_CACHE_DIR", "TRITON_HOME", "TORCHINDUCTOR_REDIS_HOST"}
-)
-_SCRUB_MARKERS = ("REMOTE_CACHE", "_REDIS_")
-
 
 def worker_env(extra: dict[str, str]) -> dict[str, str]:
-    env = {
-        k: v
-        for k, v in os.environ.items()
-        if k not in _SCRUB_EXACT and not any(m in k for m in _SCRUB_MARKERS)
-    }
+    env = {k: v for k, v in os.environ.items() if not is_cache_location(k)}
     src = str(Path(__file__).resolve().parent.parent)
     env["PYTHONPATH"] = os.pathsep.join(p for p in (src, env.get("PYTHONPATH", "")) if p)
     env["PYTHONUNBUFFERED"] = "1"

@@ -23,7 +23,7 @@ from kiln.artifact import read_manifest
 from kiln.check import CheckReport, compare_manifest
 from kiln.errors import IncompatibleError
 from kiln.manifest import Manifest
-from kiln.restore import cache_env
+from kiln.serving import cache_env
 
 log = logging.getLogger("kiln")
 
@@ -97,7 +97,7 @@ def activate(
     """
     cache = Path(cache).absolute()
     manifest = read_manifest(cache)
-    env = cache_env(cache, manifest)
+    env = cache_env(cache, manifest.env)
     notes: list[str] = []
     torch_loaded = "torch" in sys.modules
     os.environ.update(env)

@@ -16,13 +16,12 @@ from pathlib import Path, PurePosixPath
 from typing import Any
 
 from kiln.artifact import read_manifest
-from kiln.capture import INDUCTOR_DIR
 from kiln.check import CheckReport, compare_manifest
 from kiln.errors import NotFoundError
 from kiln.grid import expand, ordered
 from kiln.manifest import BucketStats, Manifest
-from kiln.restore import cache_env
 from kiln.runner import EventSink, run_worker
+from kiln.serving import INDUCTOR_DIR, cache_env
 from kiln.spec import Spec, load_spec
 
 
@@ -97,7 +96,7 @@ def explain(bucket: BucketStats, factors: str = "") -> str:
 
 def served_request(cache: Path, manifest: Manifest) -> dict[str, Any]:
     """What a worker needs to serve from the restored folder ``cache`` as a pod would (its
-    environment is :func:`~kiln.restore.cache_env`): verify and bench share this."""
+    environment is :func:`~kiln.serving.cache_env`): verify and bench share this."""
     return {
         "cache_root": str(cache / INDUCTOR_DIR),
         "precompile_load": str(cache / manifest.precompiled) if manifest.precompiled else None,
@@ -133,7 +132,7 @@ def verify(
             "fingerprint": True,
             "device_index": device_index,
         },
-        cache_env(cache, manifest),
+        cache_env(cache, manifest.env),
         on_event=on_event,
     )
     stats = [BucketStats.model_validate(b) for b in run.result["buckets"]]
