@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
-# One device-machine call: install carried wheels, run the GPU tests, then the benchmarks.
+# One device-machine call: install carried wheels, then run the GPU tests or the benchmarks.
 # Usage (on the GPU machine, from the repo root):
-#   scripts/gpu-run.sh [tests [PYTEST ARGS] | bench SPEC... | probe SCRIPT [ARGS]]
+#   scripts/gpu-run.sh [tests [PYTEST ARGS] | bench SPEC...]
 # Wheels for what the machine lacks come from `make gpu-wheels` (carry .whl).
 # BENCH_MODES=eager,cold,kiln,megacache,copied,kiln-blob,kiln-serial picks bench modes.
 # Writes logs and JSON to $OUT (or ./out/gpu) and prints a short table last.
@@ -23,10 +23,6 @@ PY
 what=${1:-tests}; shift || true
 if [ "$what" = tests ]; then
   python3 -m pytest -q -m gpu -p no:cacheprovider -s tests/test_gpu.py "$@" 2>&1 | tee "$OUT/gpu-tests.log" | grep -vE "^\s*$" | tail -40
-  exit "${PIPESTATUS[0]}"
-fi
-if [ "$what" = probe ]; then
-  python3 "$@" 2>&1 | tee "$OUT/probe.log" | tail -60
   exit "${PIPESTATUS[0]}"
 fi
 # Start another spec only while at least MIN_LEFT_S of BUDGET_S remain (device calls are capped).
