@@ -1,12 +1,14 @@
 # One entry point for a fresh machine. `make demo` runs kiln's main job on the bundled example
-# (bake → restore → verify, on CPU); `make test` runs lint and the test suite (what CI runs).
+# (bake → restore → verify, on CPU); `make test` runs lint and the whole test suite (what CI
+# runs); `make test-fast` runs lint and the tests that are neither `slow` (real torch.compile in
+# fresh processes) nor `gpu`, for the edit-test loop.
 PYTHON ?= python3
 VENV ?= .venv
 BIN := $(VENV)/bin
 # The pinned CPU build goes in first: a bare `torch` requirement would pull a multi-GB CUDA build.
 TORCH ?= torch==2.13.0
 
-.PHONY: venv test demo clean gpu-wheels
+.PHONY: venv lint test test-fast demo clean gpu-wheels
 
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -17,10 +19,15 @@ $(VENV)/.installed: pyproject.toml
 
 venv: $(VENV)/.installed
 
-test: venv
+lint: venv
 	$(BIN)/ruff check src tests examples scripts
 	$(BIN)/ruff format --check src tests examples scripts
+
+test: lint
 	$(BIN)/python -m pytest -q
+
+test-fast: lint
+	$(BIN)/python -m pytest -q -m "not slow and not gpu"
 
 demo: venv
 	$(BIN)/kiln bake configs/tiny-gpt.yaml -o out/tiny-gpt.kiln.tar.zst

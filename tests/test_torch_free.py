@@ -7,6 +7,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 from tests.archives import good_archive
 from tests.conftest import NO_TORCH
 
@@ -33,6 +35,7 @@ def test_restore_and_inspect_without_torch(tmp_path: Path, cli) -> None:
     assert proc.returncode == 0 and "demo" in proc.stdout
 
 
+@pytest.mark.slow  # the session's real CPU bake (`baked`): ~30 s
 def test_inspect_real_artifact_without_torch(baked, cli) -> None:
     _, result = baked
     proc = cli("inspect", result.artifact, no_torch=True)
