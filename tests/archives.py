@@ -1,30 +1,46 @@
-"""Hand-made archives for restore tests: valid ones and hostile ones, built with raw tarfile."""
+"""Hand-made archives for restore tests: valid ones and hostile ones, built with raw tarfile.
+
+``HOSTILE`` is the corpus of archives every reader must refuse with exit 3: one or more per class
+of attack that has been found (injection through ``kiln.env``, unbounded paths and manifests,
+entries restore cannot create, tar-level bombs). Add to it whenever a new class turns up.
+"""
 
 from __future__ import annotations
 
 import hashlib
 import io
+import json
 import tarfile
+from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import zstandard
 
-from kiln.manifest import FileEntry, Manifest
+from kiln.manifest import MAX_FILES, MAX_MANIFEST_BYTES, FileEntry, Manifest
+
+FILES = {"inductor/fxgraph/a/entry": b"A" * 1000, "inductor/xy/k.py": b"print(1)\n"}
 
 
-def manifest_for(files: dict[str, bytes], name: str = "demo") -> Manifest:
-    return Manifest(
-        name=name,
-        created="1970-01-01T00:00:00+00:00",
-        spec={},
-        spec_sha256="0" * 64,
-        fingerprint={"device.type": "cpu"},
-        grid=[],
-        files=[
-            FileEntry(path=p, size=len(d), sha256=hashlib.sha256(d).hexdigest(), kind="other")
+def manifest_for(files: dict[str, bytes], name: str = "demo", **fields: Any) -> Manifest:
+    """A manifest listing ``files``, deliberately *not* validated: hostile archives need
+    manifests that the reader must refuse, so only the reader may judge them."""
+    values: dict[str, Any] = {
+        "name": name,
+        "created": "1970-01-01T00:00:00+00:00",
+        "spec": {},
+        "spec_sha256": "0" * 64,
+        "fingerprint": {"device.type": "cpu"},
+        "grid": [],
+        "files": [
+            FileEntry.model_construct(
+                path=p, size=len(d), sha256=hashlib.sha256(d).hexdigest(), kind="other"
+            )
             for p, d in sorted(files.items())
         ],
-    )
+    }
+    return Manifest.model_construct(**{**values, **fields})
 
 
 def reg(name: str, data: bytes) -> tuple[tarfile.TarInfo, bytes]:
@@ -42,13 +58,19 @@ def special(name: str, type_: bytes, linkname: str = "") -> tuple[tarfile.TarInf
 
 def write_archive(
     path: Path,
-    manifest: Manifest | None,
+    manifest: Manifest | dict[str, Any] | bytes | None,
     members: list[tuple[tarfile.TarInfo, bytes]],
 ) -> Path:
+    """An artifact whose first member is ``manifest`` (a model, a JSON-able dict, or raw bytes)."""
     buf = io.BytesIO()
     with tarfile.open(fileobj=buf, mode="w", format=tarfile.PAX_FORMAT) as tar:
         if manifest is not None:
-            body = manifest.to_bytes()
+            if isinstance(manifest, Manifest):
+                body = manifest.to_bytes()
+            elif isinstance(manifest, dict):
+                body = json.dumps(manifest).encode()
+            else:
+                body = manifest
             tar.addfile(reg("manifest.json", body)[0], io.BytesIO(body))
         for info, data in members:
             tar.addfile(info, io.BytesIO(data) if info.isreg() else None)
@@ -57,5 +79,196 @@ def write_archive(
 
 
 def good_archive(path: Path, files: dict[str, bytes] | None = None) -> Path:
-    files = files or {"inductor/fxgraph/a/entry": b"A" * 1000, "inductor/xy/k.py": b"print(1)\n"}
+    files = files or FILES
     return write_archive(path, manifest_for(files), [reg(p, d) for p, d in sorted(files.items())])
+
+
+# --- the hostile corpus ------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Hostile:
+    """One hostile archive: how to build it, and what the refusal (exit 3) must say."""
+
+    id: str
+    build: Callable[[Path], Path]
+    match: str  # a regex the IntegrityError message matches
+    manifest_level: bool = True  # refused by read_manifest (kiln inspect) too, not only restore
+
+
+def _manifest_dict(files: dict[str, bytes] | None = None, **changes: Any) -> dict[str, Any]:
+    data = manifest_for(FILES if files is None else files).model_dump(mode="json")
+    data.update(changes)
+    return data
+
+
+def _with_manifest(
+    files: dict[str, bytes] | None = None,
+    *,
+    members: dict[str, bytes] | None = None,
+    edit: Callable[[dict[str, Any]], None] | None = None,
+    **changes: Any,
+) -> Callable[[Path], Path]:
+    """A builder: the manifest for ``files`` (changed by ``changes``/``edit``) and ``members``
+    (by default the files themselves) as regular members."""
+
+    def build(path: Path) -> Path:
+        data = _manifest_dict(files, **changes)
+        if edit is not None:
+            edit(data)
+        contents = (FILES if files is None else files) if members is None else members
+        return write_archive(path, data, [reg(p, d) for p, d in sorted(contents.items())])
+
+    return build
+
+
+def _duplicate(conflicting: bool) -> Callable[[dict[str, Any]], None]:
+    def edit(data: dict[str, Any]) -> None:
+        twin = dict(data["files"][0])
+        if conflicting:
+            twin["sha256"] = hashlib.sha256(b"other").hexdigest()
+        data["files"].append(twin)
+
+    return edit
+
+
+def _huge_manifest_header(path: Path) -> Path:
+    """A manifest member whose header claims more than MAX_MANIFEST_BYTES, and then nothing: a
+    reader that looks at the bytes before the header's size says "truncated", not "too large"."""
+    info = tarfile.TarInfo("manifest.json")
+    info.size = MAX_MANIFEST_BYTES + 1
+    path.write_bytes(zstandard.ZstdCompressor().compress(info.tobuf(tarfile.PAX_FORMAT)))
+    return path
+
+
+def _too_many_files(path: Path) -> Path:
+    """MAX_FILES + 1 entries in compact JSON: well under the size cap, over the count."""
+    entry = {"size": 0, "sha256": hashlib.sha256(b"").hexdigest(), "kind": "other"}
+    data = _manifest_dict()
+    data["files"] = [{"path": f"inductor/{i}", **entry} for i in range(MAX_FILES + 1)]
+    return write_archive(path, json.dumps(data, separators=(",", ":")).encode(), [])
+
+
+def _tar_bytes(*blocks: bytes) -> bytes:
+    return b"".join(blocks) + b"\0" * 1024
+
+
+def _header(name: str, size: int, type_: bytes = tarfile.REGTYPE, **pax: str) -> bytes:
+    info = tarfile.TarInfo(name)
+    info.size, info.type, info.pax_headers = size, type_, pax
+    return info.tobuf(tarfile.PAX_FORMAT)
+
+
+def _padded(data: bytes) -> bytes:
+    return data + b"\0" * (-len(data) % tarfile.BLOCKSIZE)
+
+
+def _raw(path: Path, tar: bytes) -> Path:
+    path.write_bytes(zstandard.ZstdCompressor().compress(tar))
+    return path
+
+
+def _manifest_blocks() -> bytes:
+    body = manifest_for(FILES).to_bytes()
+    return _header("manifest.json", len(body)) + _padded(body)
+
+
+def _pax_bomb(path: Path) -> Path:
+    """A 16 MiB PAX comment on the first header: tarfile would buffer all of it."""
+    body = manifest_for(FILES).to_bytes()
+    head = _header("manifest.json", len(body), comment="x" * (16 << 20))
+    return _raw(path, _tar_bytes(head, _padded(body)))
+
+
+def _pax_chain(path: Path) -> Path:
+    """5,000 PAX headers in a row: tarfile follows them by recursion (RecursionError)."""
+    record = b"18 comment=abcdef\n"
+    pax = tarfile.TarInfo("././@PaxHeader")
+    pax.type, pax.size = tarfile.XHDTYPE, len(record)
+    link = pax.tobuf(tarfile.USTAR_FORMAT) + _padded(record)
+    return _raw(path, _tar_bytes(link * 5000, _manifest_blocks()))
+
+
+def _folder_flood(path: Path) -> Path:
+    """The manifest, then 10,000 entries for one listed folder (compresses to almost nothing;
+    tarfile keeps every member it reads in memory)."""
+    folder = _header("inductor", 0, tarfile.DIRTYPE)
+    files = [_header(p, len(d)) + _padded(d) for p, d in sorted(FILES.items())]
+    return _raw(path, _tar_bytes(_manifest_blocks(), folder * 10_000, *files))
+
+
+LONG = "inductor/" + "a" * 4991  # 5,000 characters
+MARKUP = "inductor/[/bold]x"  # rich markup: crashed the error printer
+
+HOSTILE: list[Hostile] = [
+    # kiln.env injection through the manifest's env and name
+    Hostile("env-key-injection", _with_manifest(env={"A=1; touch pwned; B": "1"}), "shell var"),
+    Hostile("env-key-newline", _with_manifest(env={"TORCH_X\n": "1"}), "shell variable"),
+    Hostile("env-ld-preload", _with_manifest(env={"LD_PRELOAD": "/tmp/x.so"}), "LD_PRELOAD"),
+    Hostile("env-path", _with_manifest(env={"PATH": "/tmp"}), "PATH"),
+    Hostile("env-pythonpath", _with_manifest(env={"PYTHONPATH": "/tmp"}), "PYTHONPATH"),
+    Hostile(
+        "env-cache-dir",
+        _with_manifest(env={"TORCHINDUCTOR_CACHE_DIR": "/tmp/elsewhere"}),
+        "TORCHINDUCTOR_CACHE_DIR",
+    ),
+    Hostile("env-triton-home", _with_manifest(env={"TRITON_HOME": "/tmp"}), "TRITON_HOME"),
+    Hostile("env-nul-value", _with_manifest(env={"TORCH_LOGS": "a\x00b"}), "NUL"),
+    Hostile("name-newline", _with_manifest(name="demo\ntouch pwned"), "not an artifact name"),
+    Hostile("name-too-long", _with_manifest(name="a" * 129), "not an artifact name"),
+    # paths restore could not create, or that are not what they seem
+    Hostile("path-5000", _with_manifest({LONG: b"x"}), "5000 bytes"),
+    Hostile(
+        "member-5000",
+        _with_manifest(members={**FILES, LONG: b"x"}),
+        "5000 bytes",
+        manifest_level=False,
+    ),
+    Hostile("path-long-name", _with_manifest({"inductor/" + "b" * 256: b"x"}), "256-byte name"),
+    Hostile("path-deep", _with_manifest({"/".join(["d"] * 40): b"x"}), "40 levels"),
+    Hostile("path-control", _with_manifest({"inductor/\x1b[2Jx": b"x"}), "unsafe member name"),
+    Hostile("path-backslash", _with_manifest({"inductor\\..\\x": b"x"}), "unsafe member name"),
+    Hostile("file-and-folder", _with_manifest({"a": b"x", "a/b": b"y"}), "file and as a folder"),
+    Hostile("reserved-env", _with_manifest({"kiln.env": b"x"}), "writes kiln.env"),
+    Hostile("reserved-state", _with_manifest({".kiln-installed.json": b"{}"}), "installed"),
+    Hostile("reserved-manifest", _with_manifest({"manifest.json": b"{}"}), "writes manifest"),
+    Hostile("reserved-folder", _with_manifest({"kiln.env/x": b"x"}), "writes kiln.env"),
+    Hostile("duplicate-conflicting", _with_manifest(edit=_duplicate(True)), "listed twice"),
+    Hostile("duplicate-identical", _with_manifest(edit=_duplicate(False)), "listed twice"),
+    Hostile(
+        "megacache-outside",
+        _with_manifest(megacache="../../etc/passwd"),
+        "megacache '../../etc/passwd' is not a listed file",
+    ),
+    Hostile(
+        "markup-name",
+        _with_manifest({MARKUP: b"x"}, members={MARKUP: b"y"}),
+        "sha256",
+        manifest_level=False,
+    ),
+    # sizes and counts
+    Hostile("manifest-9mib", _huge_manifest_header, "more than kiln reads"),
+    Hostile("too-many-files", _too_many_files, "at most 50000"),
+    Hostile(
+        "size-huge",
+        _with_manifest(edit=lambda d: d["files"][0].update(size=2**41)),
+        "less than or equal",
+    ),
+    Hostile(
+        "size-negative",
+        _with_manifest(edit=lambda d: d["files"][0].update(size=-1)),
+        "greater than or equal",
+    ),
+    Hostile(
+        "total-huge",
+        _with_manifest(
+            edit=lambda d: [f.update(size=2**40) for f in d["files"]],
+        ),
+        "add up to",
+    ),
+    Hostile("format-zero", _with_manifest(format=0), "format"),
+    # tar-level bombs
+    Hostile("pax-bomb", _pax_bomb, "header"),
+    Hostile("pax-chain", _pax_chain, "header"),
+    Hostile("folder-flood", _folder_flood, "more than the", manifest_level=False),
+]

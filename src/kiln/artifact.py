@@ -17,20 +17,34 @@ import tarfile
 import tempfile
 from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import IO, BinaryIO
+from typing import IO, Any, BinaryIO
 
 import zstandard
 from pydantic import ValidationError
 
 from kiln.errors import IntegrityError, NotFoundError, UsageError
-from kiln.manifest import FORMAT_VERSION, MANIFEST_NAME, Manifest
+from kiln.manifest import FORMAT_VERSION, MANIFEST_NAME, MAX_MANIFEST_BYTES, Manifest, folders_of
 
 SUFFIX = ".kiln.tar.zst"
 ZSTD_LEVEL = 6
 # threads >= 1 give identical bytes for any count; 0 (single-threaded API) gives other bytes.
 ZSTD_THREADS = 2
-MAX_MANIFEST_BYTES = 64 << 20
+# The most one member's headers (ustar + PAX/GNU extensions) may take. A kiln member's path is at
+# most 1 KiB, so its headers fit in ~2 KiB; tarfile reads a PAX header whole into memory, and
+# follows a chain of them by recursion, so without a bound a 1 KB archive could ask for gigabytes
+# or overflow the stack.
+MAX_HEADER_BYTES = 64 << 10
 _CHUNK = 1 << 20
+# What tarfile may raise on malformed input besides TarError (a PAX number that does not parse,
+# an over-long header chain, ...): all of it means a corrupt archive, never a bug in kiln.
+_TAR_FAULTS = (
+    tarfile.TarError,
+    zstandard.ZstdError,
+    EOFError,
+    ValueError,
+    OverflowError,
+    RecursionError,
+)
 
 
 def source_date_epoch() -> int:
@@ -97,6 +111,12 @@ def write_artifact(
                 tarfile.open(fileobj=zw, mode="w|", format=tarfile.PAX_FORMAT) as tar,
             ):
                 body = manifest.to_bytes()
+                if len(body) > MAX_MANIFEST_BYTES:
+                    raise UsageError(
+                        f"{len(manifest.files)} files make a {len(body) >> 20} MiB manifest, "
+                        f"more than restore accepts ({MAX_MANIFEST_BYTES >> 20} MiB): "
+                        "bake fewer buckets per artifact"
+                    )
                 tar.addfile(_tarinfo(MANIFEST_NAME, len(body), mtime), io.BytesIO(body))
                 for entry in sorted(manifest.files, key=lambda e: e.path):
                     src = root / entry.path
@@ -149,24 +169,91 @@ def sha256_file(path: Path, on_bytes: Callable[[int], None] | None = None) -> st
     return h.hexdigest()
 
 
+class _BoundedReader:
+    """The decompressed stream under tarfile, refusing to be read past a moving limit.
+
+    :class:`_BoundedTarFile` sets the limit before each header (its start plus
+    ``MAX_HEADER_BYTES``) and after it (the end of that member's data), so no header, and no
+    member the reader did not ask for, can make tarfile buffer more than that.
+    """
+
+    def __init__(self, raw: IO[bytes]) -> None:
+        self._raw = raw
+        self.pos = 0
+        self.limit = MAX_HEADER_BYTES
+        self.why = "a tar header is implausibly large"
+
+    def read(self, n: int = -1) -> bytes:
+        if self.pos >= self.limit:
+            raise IntegrityError(f"not a kiln artifact: {self.why}")
+        data = self._raw.read(n)
+        self.pos += len(data)
+        return data
+
+
+class _BoundedTarFile(tarfile.TarFile):
+    """A streaming TarFile that bounds every header and, once the manifest is known, the count
+    of members; whatever it meets that is malformed becomes :class:`IntegrityError`."""
+
+    def __init__(self, *args: Any, reader: _BoundedReader, **kwargs: Any) -> None:
+        self._reader = reader
+        self.max_members: int | None = None  # set by read_manifest_member
+        super().__init__(*args, **kwargs)  # reads the first header: self.next() runs already
+
+    def next(self) -> tarfile.TarInfo | None:
+        reader = self._reader
+        # tarfile's stream reads ahead by one record; allow for it on top of the header bound.
+        reader.limit = self.offset + MAX_HEADER_BYTES + tarfile.RECORDSIZE
+        reader.why = f"a tar header is larger than {MAX_HEADER_BYTES} bytes"
+        try:
+            member = super().next()
+        except _TAR_FAULTS as exc:
+            raise IntegrityError(f"artifact is corrupt or truncated: {exc}") from None
+        # Now self.offset is where the next header starts: this member's data lies before it.
+        reader.limit = self.offset + tarfile.RECORDSIZE
+        reader.why = "a member's data is longer than its header says"
+        limit = self.max_members
+        if member is not None and limit is not None and len(self.members) > limit:
+            raise IntegrityError(
+                f"the archive holds more than the {limit} members its manifest accounts for"
+            )
+        return member
+
+
 @contextlib.contextmanager
 def open_tar_stream(fh: IO[bytes]) -> Iterator[tarfile.TarFile]:
-    """A streaming (``r|``) tar reader over zstd: no seeking, so it works on HTTP bodies too."""
+    """A streaming (``r|``) tar reader over zstd: no seeking, so it works on HTTP bodies too.
+
+    Bounded: see :class:`_BoundedTarFile`. Errors while reading headers are
+    :class:`IntegrityError`; reading a member's data may still raise tarfile/zstd errors.
+    """
     dctx = zstandard.ZstdDecompressor()
-    with (
-        dctx.stream_reader(fh, closefd=False) as zr,
-        tarfile.open(fileobj=zr, mode="r|", format=tarfile.PAX_FORMAT) as tar,
-    ):
-        yield tar
+    with dctx.stream_reader(fh, closefd=False) as zr:
+        reader = _BoundedReader(zr)
+        try:
+            tar = _BoundedTarFile.open(
+                fileobj=reader,  # type: ignore[arg-type]
+                mode="r|",
+                format=tarfile.PAX_FORMAT,
+                reader=reader,
+            )
+        except _TAR_FAULTS as exc:
+            raise IntegrityError(f"not a readable kiln artifact: {exc}") from None
+        with tar:
+            yield tar
 
 
 def parse_manifest(data: bytes) -> Manifest:
+    """Validate ``data`` as a manifest: :class:`IntegrityError` (exit 3) for anything the
+    :class:`Manifest` model refuses, :class:`UsageError` for a newer format."""
+    if len(data) > MAX_MANIFEST_BYTES:
+        raise IntegrityError(
+            f"manifest.json is {len(data)} bytes, more than kiln reads ({MAX_MANIFEST_BYTES})"
+        )
     try:
         manifest = Manifest.model_validate_json(data)
     except ValidationError as exc:
-        raise IntegrityError(
-            f"manifest.json is not a kiln manifest: {exc.errors()[0]['msg']}"
-        ) from None
+        raise IntegrityError(_validation_message(exc)) from None
     if manifest.format > FORMAT_VERSION:
         raise UsageError(
             f"artifact format {manifest.format} is newer than this kiln understands "
@@ -175,8 +262,20 @@ def parse_manifest(data: bytes) -> Manifest:
     return manifest
 
 
+def _validation_message(exc: ValidationError) -> str:
+    """One line for the first problem, naming where it is (``files.3.path``)."""
+    error = exc.errors(include_url=False, include_input=False)[0]
+    where = ".".join(str(part) for part in error["loc"])
+    msg = str(error["msg"])
+    if error["type"] == "value_error":  # one of the Manifest model's own rules
+        msg = msg.removeprefix("Value error, ")
+        return f"manifest.json refused: {where + ': ' if where else ''}{msg}"
+    return f"manifest.json is not a kiln manifest: {where + ': ' if where else ''}{msg}"
+
+
 def read_manifest_member(tar: tarfile.TarFile) -> Manifest:
-    """Read the first member, which must be ``manifest.json``."""
+    """Read the first member, which must be ``manifest.json``, refusing an implausible size from
+    its header before reading it. Then bound the rest of the archive by what the manifest lists."""
     try:
         first = tar.next()
     except (tarfile.TarError, zstandard.ZstdError, EOFError) as exc:
@@ -184,14 +283,21 @@ def read_manifest_member(tar: tarfile.TarFile) -> Manifest:
     if first is None or first.name != MANIFEST_NAME or not first.isreg():
         raise IntegrityError("not a kiln artifact: manifest.json is not the first member")
     if first.size > MAX_MANIFEST_BYTES:
-        raise IntegrityError("manifest.json is implausibly large")
+        raise IntegrityError(
+            f"manifest.json is {first.size} bytes, more than kiln reads ({MAX_MANIFEST_BYTES})"
+        )
     fh = tar.extractfile(first)
     assert fh is not None
     try:
         data = fh.read()
-    except (tarfile.TarError, zstandard.ZstdError, EOFError) as exc:
+    except _TAR_FAULTS as exc:
         raise IntegrityError(f"artifact truncated in manifest.json: {exc}") from None
-    return parse_manifest(data)
+    manifest = parse_manifest(data)
+    if isinstance(tar, _BoundedTarFile):
+        # The manifest, each listed file, and at most one entry per folder they need.
+        folders = folders_of([f.path for f in manifest.files])
+        tar.max_members = 1 + len(manifest.files) + len(folders)
+    return manifest
 
 
 def read_manifest(path: str | Path) -> Manifest:
@@ -202,11 +308,13 @@ def read_manifest(path: str | Path) -> Manifest:
         m = p / MANIFEST_NAME
         if not m.is_file():
             raise NotFoundError(f"{p}: no {MANIFEST_NAME} (not a restored kiln folder)")
-        return parse_manifest(m.read_bytes())
+        with open(m, "rb") as fh:
+            data = fh.read(MAX_MANIFEST_BYTES + 1)  # parse_manifest refuses what is longer
+        return parse_manifest(data)
     if not p.exists():
         raise NotFoundError(f"{p}: no such artifact")
     try:
         with open(p, "rb") as fh, open_tar_stream(fh) as tar:
             return read_manifest_member(tar)
-    except (tarfile.TarError, zstandard.ZstdError, EOFError) as exc:
+    except _TAR_FAULTS as exc:
         raise IntegrityError(f"{p}: not a readable kiln artifact: {exc}") from None

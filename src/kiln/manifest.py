@@ -3,19 +3,91 @@
 Everything restore, check and verify decide is in here, so no step has to guess from file names.
 Torch-free: restore and inspect read it in slim images. ``FORMAT_VERSION`` changes only when an
 older kiln could misread a newer manifest; readers refuse versions they do not know.
+
+A manifest usually comes from elsewhere, so the model itself is the trust check: every rule an
+archive must pass (safe, bounded paths; no file that is also a folder; no name restore writes
+itself; the environment allow-list; the artifact name) is a validator here. Whoever parses a
+manifest (restore, inspect, check, a restored folder's no-op) gets the same answer, and the
+limits below are the only place they are stated.
 """
 
 from __future__ import annotations
 
 import json
+import re
 from typing import Any
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from kiln import __version__
+from kiln.serving import MANIFEST_NAME as MANIFEST_NAME  # re-exported: imported from here
+from kiln.serving import (
+    MAX_NAME_LENGTH,
+    NAME_PATTERN,
+    RESERVED_NAMES,
+    env_key_problem,
+    env_value_problem,
+)
 
 FORMAT_VERSION = 1
-MANIFEST_NAME = "manifest.json"
+
+# --- bounds on what an archive may ask of a reader ------------------------------------------
+# A real manifest is ~200-250 bytes per file plus ~25 KB of fingerprint: 8 MiB is ~35,000
+# files, read and validated in ~1 s.
+# Readers refuse a bigger manifest.json from its tar header, before reading a byte of it.
+MAX_MANIFEST_BYTES = 8 << 20
+MAX_FILES = 50_000
+MAX_PATH_BYTES = 1024  # UTF-8 bytes of a whole relative path (Linux PATH_MAX is 4096 absolute)
+MAX_COMPONENT_BYTES = 255  # NAME_MAX of every common Linux filesystem
+MAX_PATH_DEPTH = 32  # Inductor's deepest paths are 5 levels
+MAX_TOTAL_BYTES = 1 << 40  # 1 TiB unpacked: far beyond any compile cache
+_SHOWN = 120  # characters of a hostile path quoted in a one-line message
+
+
+def _shown(path: str) -> str:
+    """``path`` quoted for a one-line message, shortened so a 5,000-character name stays short."""
+    return repr(path if len(path) <= _SHOWN else path[:_SHOWN] + "…")
+
+
+def path_problem(path: str) -> str | None:
+    """Why ``path`` may not name a file in an artifact, or None when it may.
+
+    One rule for manifest entries and tar member names: relative, no ``.``/``..``/empty parts,
+    printable UTF-8 without backslashes, and short enough to create on any Linux filesystem
+    (so writing it can never fail with "File name too long" halfway through a restore).
+    """
+    if not path:
+        return "empty path in archive"
+    # Not printable: control characters, and lone surrogates (JSON allows them, UTF-8 does not).
+    if any(not c.isprintable() for c in path) or "\\" in path:
+        return f"unsafe member name {_shown(path)}"
+    size = len(path.encode("utf-8"))
+    if path.startswith("/"):
+        return f"absolute path in archive: {_shown(path)}"
+    parts = path.split("/")
+    if any(part in ("..", ".", "") for part in parts):
+        return f"path traversal in archive: {_shown(path)}"
+    if size > MAX_PATH_BYTES:
+        return f"path of {size} bytes in archive (at most {MAX_PATH_BYTES}): {_shown(path)}"
+    longest = max(len(part.encode("utf-8")) for part in parts)
+    if longest > MAX_COMPONENT_BYTES:
+        return (
+            f"path with a {longest}-byte name in archive (at most {MAX_COMPONENT_BYTES}): "
+            f"{_shown(path)}"
+        )
+    if len(parts) > MAX_PATH_DEPTH:
+        depth = len(parts)
+        return f"path {depth} levels deep in archive (at most {MAX_PATH_DEPTH}): {_shown(path)}"
+    return None
+
+
+def folders_of(paths: list[str]) -> set[str]:
+    """Every folder the given file paths need (``a/b/c`` needs ``a`` and ``a/b``)."""
+    out: set[str] = set()
+    for path in paths:
+        parts = path.split("/")
+        out.update("/".join(parts[:i]) for i in range(1, len(parts)))
+    return out
 
 
 class _Model(BaseModel):
@@ -25,9 +97,17 @@ class _Model(BaseModel):
 
 class FileEntry(_Model):
     path: str  # posix, relative to the artifact root, e.g. "inductor/fxgraph/..."
-    size: int = Field(ge=0)
-    sha256: str
-    kind: str
+    size: int = Field(ge=0, le=MAX_TOTAL_BYTES)
+    sha256: str = Field(pattern=r"^[0-9a-f]{64}$")
+    kind: str = Field(max_length=64)
+
+    @field_validator("path")
+    @classmethod
+    def _safe_path(cls, path: str) -> str:
+        problem = path_problem(path)
+        if problem:
+            raise ValueError(problem)
+        return path
 
 
 class BucketStats(_Model):
@@ -76,7 +156,7 @@ class PassStats(_Model):
 
 
 class Manifest(_Model):
-    format: int = FORMAT_VERSION
+    format: int = Field(default=FORMAT_VERSION, ge=1)
     kiln_version: str = __version__
     name: str
     created: str  # ISO 8601, from SOURCE_DATE_EPOCH when set (reproducible builds)
@@ -90,13 +170,57 @@ class Manifest(_Model):
     grid: list[BucketStats]
     passes: list[PassStats] = Field(default_factory=list)
     totals: dict[str, float] = Field(default_factory=dict)
-    files: list[FileEntry]
+    files: list[FileEntry] = Field(max_length=MAX_FILES)
     megacache: str | None = None  # path of the Mega-Cache blob in the artifact, if captured
     precompiled: str | None = None  # path of the AOT-compiled forwards (compile.precompile)
     # torch.compile(**compile_kwargs) exactly as the bake called it (None: baked before kiln
     # recorded it). Serving passes these, not whatever this kiln would derive from the spec.
     compile_kwargs: dict[str, Any] | None = None
     warnings: list[str] = Field(default_factory=list)  # what the bake could not settle
+
+    @field_validator("name")
+    @classmethod
+    def _safe_name(cls, name: str) -> str:
+        # The name goes into kiln.env's comment, file names and URLs.
+        if len(name) > MAX_NAME_LENGTH or not re.fullmatch(NAME_PATTERN, name):
+            raise ValueError(
+                f"{_shown(name)} is not an artifact name "
+                f"({NAME_PATTERN}, at most {MAX_NAME_LENGTH} characters)"
+            )
+        return name
+
+    @field_validator("env")
+    @classmethod
+    def _allowed_env(cls, env: dict[str, str]) -> dict[str, str]:
+        # restore writes these into kiln.env, which a shell in the pod sources.
+        for key, value in env.items():
+            problem = env_key_problem(key) or env_value_problem(key, value)
+            if problem:
+                raise ValueError(problem)
+        return env
+
+    @model_validator(mode="after")
+    def _consistent_files(self) -> Manifest:
+        """Rules across entries: each is one distinct file restore can create and own."""
+        paths: set[str] = set()
+        for entry in self.files:
+            if entry.path in paths:
+                raise ValueError(f"{_shown(entry.path)} is listed twice")
+            paths.add(entry.path)
+            top = entry.path.split("/", 1)[0]
+            if top in RESERVED_NAMES:
+                raise ValueError(f"{_shown(entry.path)}: restore writes {top} itself")
+        clash = paths & folders_of(list(paths))
+        if clash:
+            raise ValueError(f"{_shown(min(clash))} is listed as a file and as a folder")
+        total = sum(entry.size for entry in self.files)
+        if total > MAX_TOTAL_BYTES:
+            raise ValueError(f"files add up to {total} bytes (at most {MAX_TOTAL_BYTES})")
+        for field, value in (("megacache", self.megacache), ("precompiled", self.precompiled)):
+            # Serving reads these paths under the restored folder: only a listed file will do.
+            if value is not None and value not in paths:
+                raise ValueError(f"{field} {_shown(value)} is not a listed file")
+        return self
 
     def torch_kwargs(self) -> dict[str, Any]:
         """The ``torch.compile`` arguments a serving process must pass to hit these caches."""

@@ -3,6 +3,12 @@
 Every command builds one result object and hands it here: with ``--json`` only that object goes
 to stdout (as JSON), otherwise a rich rendering does. Progress, warnings and errors always go to
 stderr, so ``kiln ... --json | jq`` works while a bar is drawn. Torch-free.
+
+Text that comes from archives, specs, servers or users is never rich markup: a member named
+``[/bold]x`` would crash the printer, and ``[a-z0-9._-]`` would vanish from a message. Print it
+through :func:`plain` (a :class:`~rich.text.Text`) or, inside a markup string, :func:`esc`; both
+also show control characters as escapes, so nothing from an archive can drive the terminal.
+Consoles are made with ``emoji=False`` for the same reason (``:name:`` codes are not ours).
 """
 
 from __future__ import annotations
@@ -14,6 +20,7 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 from rich.console import Console
+from rich.markup import escape
 from rich.progress import (
     BarColumn,
     DownloadColumn,
@@ -24,16 +31,42 @@ from rich.progress import (
     TimeElapsedColumn,
     TransferSpeedColumn,
 )
+from rich.text import Text
 
 from kiln.errors import ExitCode, KilnError
+
+
+def visible(text: str) -> str:
+    """``text`` with each non-printable character (ESC, BEL, NUL, bidi overrides, ...) written as
+    its Python escape, so untrusted text shows what it holds and cannot move the cursor."""
+    if text.isprintable():
+        return text
+    return "".join(
+        c if c.isprintable() else c.encode("unicode_escape").decode("ascii") for c in text
+    )
+
+
+def esc(value: object) -> str:
+    """Untrusted ``value`` for use inside a markup string: shown exactly, never interpreted."""
+    return escape(visible(str(value)))
+
+
+def plain(value: object, style: str = "") -> Text:
+    """Untrusted ``value`` as rich Text (a table cell, a title, a line): never markup."""
+    return Text(visible(str(value)), style=style)
+
+
+def console(*, stderr: bool = False) -> Console:
+    """A console for kiln's output: no emoji codes, since the text printed is not all ours."""
+    return Console(stderr=stderr, emoji=False)
 
 
 class Output:
     def __init__(self, json_mode: bool = False, quiet: bool = False) -> None:
         self.json_mode = json_mode
         self.quiet = quiet
-        self.err = Console(stderr=True)
-        self.out = Console()
+        self.err = console(stderr=True)
+        self.out = console()
 
     def emit(self, data: Any, human: Callable[[Console], None]) -> None:
         if self.json_mode:
@@ -43,11 +76,13 @@ class Output:
             human(self.out)
 
     def note(self, message: str) -> None:
+        """``message`` is plain text (it may quote a spec or an archive), never markup."""
         if not self.quiet:
-            self.err.print(message, highlight=False)
+            self.err.print(plain(message), highlight=False)
 
     def warn(self, message: str) -> None:
-        self.err.print(f"[yellow]warning:[/] {message}", highlight=False)
+        """``message`` is plain text (it may quote a spec or an archive), never markup."""
+        self.err.print(Text.assemble(("warning:", "yellow"), " ", visible(message)))
 
     @contextlib.contextmanager
     def progress(self) -> Iterator[Callable[[dict[str, Any]], None]]:
@@ -55,7 +90,7 @@ class Output:
         enabled = not self.quiet and self.err.is_terminal
         with (
             Progress(
-                TextColumn("{task.description}"),
+                TextColumn("{task.description}", markup=False),  # holds bucket keys
                 BarColumn(),
                 MofNCompleteColumn(),
                 TimeElapsedColumn(),
@@ -64,7 +99,7 @@ class Output:
                 disable=not enabled,
             ) as bars,
             Progress(
-                TextColumn("{task.description}"),
+                TextColumn("{task.description}", markup=False),
                 BarColumn(),
                 DownloadColumn(),
                 TransferSpeedColumn(),
@@ -125,8 +160,11 @@ class _ProgressSink:
 
 
 def report_error(exc: BaseException, json_mode: bool) -> int:
-    """Print one line for ``exc`` (and JSON on stdout in --json mode); return the exit code."""
-    err = Console(stderr=True)
+    """Print one line for ``exc`` (and JSON on stdout in --json mode); return the exit code.
+
+    The message is plain text: it quotes member names, manifest fields and spec values.
+    """
+    err = console(stderr=True)
     if isinstance(exc, KilnError):
         code, message, detail = int(exc.exit_code), exc.message, exc.detail
     else:
@@ -136,9 +174,9 @@ def report_error(exc: BaseException, json_mode: bool) -> int:
             None,
         )
     first, _, rest = message.partition("\n")
-    err.print(f"[bold red]kiln: error:[/] {first}", highlight=False, soft_wrap=True)
-    if rest:
-        err.print(rest, style="dim", highlight=False, soft_wrap=True)
+    err.print(Text.assemble(("kiln: error:", "bold red"), " ", visible(first)), soft_wrap=True)
+    for line in rest.split("\n") if rest else ():
+        err.print(plain(line, "dim"), soft_wrap=True)
     if json_mode and not getattr(exc, "reported", False):
         payload = {"error": message, "exit_code": code, "detail": detail}
         sys.stdout.write(json.dumps(payload, indent=2, default=str) + "\n")

@@ -33,7 +33,7 @@ import zstandard
 
 from kiln.artifact import open_tar_stream, parse_manifest, read_manifest_member
 from kiln.errors import IntegrityError, KilnError, UsageError
-from kiln.manifest import MANIFEST_NAME, FileEntry, Manifest
+from kiln.manifest import MANIFEST_NAME, FileEntry, Manifest, path_problem
 from kiln.serving import ENV_NAME, INDUCTOR_DIR, STATE_NAME, env_file_text
 from kiln.storage import fetch, is_remote
 
@@ -221,13 +221,9 @@ def _mib(n: int) -> str:
 
 def safe_member_name(name: str) -> str:
     """The member name if it is a plain relative path, else raise :class:`IntegrityError`."""
-    if not name or "\x00" in name or "\\" in name:
-        raise IntegrityError(f"unsafe member name {name!r}")
-    p = PurePosixPath(name)
-    if p.is_absolute() or name.startswith("/"):
-        raise IntegrityError(f"absolute path in archive: {name!r}")
-    if any(part in ("..", ".", "") for part in name.rstrip("/").split("/")):
-        raise IntegrityError(f"path traversal in archive: {name!r}")
+    problem = path_problem(name.rstrip("/") or name)  # the manifest's rule, bounds included
+    if problem:
+        raise IntegrityError(problem)
     return name.rstrip("/")
 
 

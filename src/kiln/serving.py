@@ -19,9 +19,11 @@ from pathlib import Path
 INDUCTOR_DIR = "inductor"  # DIR/inductor is TORCHINDUCTOR_CACHE_DIR
 MEGACACHE_NAME = "megacache.bin"  # torch.compiler.save_cache_artifacts() blob
 PRECOMPILED_NAME = "precompiled.bin"  # serialized AOT forwards (compile.precompile)
+MANIFEST_NAME = "manifest.json"  # an artifact's first member; restore writes its own copy
 ENV_NAME = "kiln.env"  # written by restore, never shipped
 STATE_NAME = ".kiln-installed.json"  # written by restore, never shipped
-RESERVED_NAMES = frozenset({ENV_NAME, STATE_NAME})  # an archive listing these is refused
+# Top-level names restore writes itself: a manifest listing a file or folder under one is refused.
+RESERVED_NAMES = frozenset({MANIFEST_NAME, ENV_NAME, STATE_NAME})
 
 NAME_PATTERN = r"^[a-z0-9._-]+$"  # artifact names: safe in file names, comments and URLs
 MAX_NAME_LENGTH = 128
@@ -73,13 +75,31 @@ def is_cache_location(key: str) -> bool:
 
 def env_key_problem(key: str) -> str | None:
     """Why ``key`` may not be set by a spec or a manifest, or None when it may."""
-    if not ENV_KEY_PATTERN.match(key):
+    # fullmatch, not match: ``$`` also matches before a trailing newline, and "TORCH_X\n" would
+    # split its ``export`` line in two.
+    if not ENV_KEY_PATTERN.fullmatch(key):
         return f"{key!r} is not a shell variable name"
     if not key.startswith(ENV_ALLOWED_PREFIXES):
         prefixes = ", ".join(f"{p}*" for p in ENV_ALLOWED_PREFIXES)
         return f"{key} does not affect compilation (allowed: {prefixes})"
     if is_cache_location(key) or key in _REFUSED_EXACT or key.endswith(_LOCATION_SUFFIXES):
         return f"{key} moves a cache or names a file or program: kiln owns those"
+    return None
+
+
+def env_value_problem(key: str, value: str) -> str | None:
+    """Why ``value`` cannot be exported as ``key``, or None when it can.
+
+    Quoting makes any text safe for the shell, but a process environment cannot hold a NUL, and a
+    lone surrogate (valid in JSON, not in UTF-8) cannot be encoded: ``kiln.activate()`` would
+    crash on either instead of refusing the artifact.
+    """
+    if "\x00" in value:
+        return f"the value of {key} holds a NUL character"
+    try:
+        value.encode("utf-8")
+    except UnicodeEncodeError:
+        return f"the value of {key} is not valid UTF-8"
     return None
 
 
@@ -105,7 +125,7 @@ def env_file_text(dest: Path, name: str, env: Mapping[str, str]) -> str:
     source = _comment(str(dest / ENV_NAME))
     lines = [f"# written by kiln restore for {_comment(name)}: `. {source}` to serve"]
     for key, value in cache_env(dest, env).items():
-        if not ENV_KEY_PATTERN.match(key):
+        if not ENV_KEY_PATTERN.fullmatch(key):
             raise ValueError(f"refusing to write environment key {key!r}")
         lines.append(f"export {key}={shlex.quote(value)}")
     return "\n".join(lines) + "\n"

@@ -9,7 +9,7 @@ from rich.console import Console
 
 from kiln.cli.options import JSON, QUIET
 from kiln.cli.render import human_bytes, manifest_view
-from kiln.output import Output
+from kiln.output import Output, esc
 
 
 def register(app: typer.Typer) -> None:
@@ -53,11 +53,12 @@ def restore_cmd(
     def human(c: Console) -> None:
         what = "already installed" if result.noop else "restored"
         c.print(
-            f"{what} [bold]{result.manifest.name}[/] into {result.dest}: {result.files} files, "
+            f"{what} [bold]{esc(result.manifest.name)}[/] into {esc(result.dest)}: "
+            f"{result.files} files, "
             f"{human_bytes(result.bytes)} in {result.seconds:.2f}s"
         )
         c.print(f"sha256 {result.sha256}")
-        c.print(f"serve with: . {result.env_file}")
+        c.print(f"serve with: . {esc(result.env_file)}")
 
     o.emit(result.summary(), human)
 
@@ -74,5 +75,5 @@ def push_cmd(
 
     result = push(artifact, dest)
     Output(json_).emit(
-        result, lambda c: c.print(f"pushed {result['dest']}\nsha256 {result['sha256']}")
+        result, lambda c: c.print(f"pushed {esc(result['dest'])}\nsha256 {result['sha256']}")
     )

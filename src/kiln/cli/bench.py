@@ -10,7 +10,7 @@ from rich.table import Table
 
 from kiln.cli.options import JSON, QUIET
 from kiln.cli.render import human_bytes, ms
-from kiln.output import Output
+from kiln.output import Output, esc, plain
 
 
 def register(app: typer.Typer) -> None:
@@ -67,8 +67,10 @@ def bench_cmd(
         fp = report.fingerprint
         where = fp.get("gpu.name") or fp.get("cpu.model") or "cpu"
         table = Table(
-            title=f"{report.name} on {where} · torch {fp.get('torch.version')} · "
-            f"triton {fp.get('triton.version')}",
+            title=plain(
+                f"{report.name} on {where} · torch {fp.get('torch.version')} · "
+                f"triton {fp.get('triton.version')}"
+            ),
             title_justify="left",
         )
         for col in (
@@ -117,16 +119,18 @@ def bench_cmd(
         )
         k = report.modes.get("kiln")
         if k and k.note:
-            c.print(f"kiln = {k.note}")
+            c.print(f"kiln = {esc(k.note)}")
         if k and k.worst_first_request_ratio:
             c.print(
                 "kiln: worst first real request after warmup = "
                 f"{_x(k.worst_first_request_ratio)} steady"
             )
+        order_shown = f"{report.extra['order'][:4]}{'…' if len(report.extra['order']) > 4 else ''}"
         c.print(
-            f"artifact {human_bytes(report.artifact_bytes)} · restore {ms(report.restore_s)} · "
-            f"order {report.extra['order'][:4]}{'…' if len(report.extra['order']) > 4 else ''} · "
-            f"cold = {report.extra['cold_source']}"
+            plain(
+                f"artifact {human_bytes(report.artifact_bytes)} · restore {ms(report.restore_s)} · "
+                f"order {order_shown} · cold = {report.extra['cold_source']}"
+            )
         )
 
     if save is not None:

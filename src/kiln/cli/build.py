@@ -10,7 +10,7 @@ from rich.console import Console
 
 from kiln.cli.options import DEVICE_INDEX, JSON, QUIET
 from kiln.cli.render import bucket_table, fingerprint_table, human_bytes
-from kiln.output import Output
+from kiln.output import Output, esc
 
 
 def register(app: typer.Typer) -> None:
@@ -44,7 +44,8 @@ def bake_cmd(
         m = result.manifest
         c.print(bucket_table(m.grid, f"{m.name}: {len(m.grid)} buckets baked"))
         c.print(
-            f"wrote [bold]{result.artifact}[/] ({human_bytes(result.size)}, {len(m.files)} files, "
+            f"wrote [bold]{esc(result.artifact)}[/] ({human_bytes(result.size)}, "
+            f"{len(m.files)} files, "
             f"{human_bytes(m.total_bytes)} unpacked) in {result.wall_s:.1f}s"
         )
         c.print(f"sha256 {result.sha256}")

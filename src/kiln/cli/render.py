@@ -1,4 +1,8 @@
-"""Rich renderings shared by commands (tables of buckets, fingerprints, factors). Torch-free."""
+"""Rich renderings shared by commands (tables of buckets, fingerprints, factors). Torch-free.
+
+Everything shown here comes from a manifest or a spec, so it goes through
+:func:`kiln.output.plain` / :func:`kiln.output.esc`, never straight into markup.
+"""
 
 from __future__ import annotations
 
@@ -8,6 +12,7 @@ from rich.console import Console
 from rich.table import Table
 
 from kiln.manifest import BucketStats, Manifest
+from kiln.output import esc, plain
 
 FINGERPRINT_ROWS = (
     ("torch", "torch.version"),
@@ -40,18 +45,18 @@ def human_bytes(n: float) -> str:
 
 
 def fingerprint_table(fp: dict[str, Any], title: str = "environment") -> Table:
-    table = Table(title=title, show_header=False, title_justify="left")
+    table = Table(title=plain(title), show_header=False, title_justify="left")
     for label, key in FINGERPRINT_ROWS:
         if key in fp and fp[key] is not None:
-            table.add_row(label, str(fp[key]))
-    env = fp.get("env") or {}
-    for key, value in env.items():
-        table.add_row(f"env {key}", value)
+            table.add_row(label, plain(fp[key]))
+    env = fp.get("env")
+    for key, value in env.items() if isinstance(env, dict) else ():
+        table.add_row(plain(f"env {key}"), plain(value))
     return table
 
 
 def bucket_table(buckets: list[BucketStats], title: str, *, verify: bool = False) -> Table:
-    table = Table(title=title, title_justify="left")
+    table = Table(title=plain(title), title_justify="left")
     table.add_column("bucket", no_wrap=True)
     table.add_column("first call", justify="right")
     if verify:
@@ -65,7 +70,7 @@ def bucket_table(buckets: list[BucketStats], title: str, *, verify: bool = False
         third = ms(b.first_request_s) if verify else ms(b.compile_s)
         style = "red" if verify and b.compiles else None
         table.add_row(
-            b.key,
+            plain(b.key),
             ms(b.first_call_s),
             third,
             ms(b.steady_s),
@@ -78,14 +83,15 @@ def bucket_table(buckets: list[BucketStats], title: str, *, verify: bool = False
 
 def manifest_view(console: Console, m: Manifest, digest: str | None = None) -> None:
     console.print(
-        f"[bold]{m.name}[/]  format {m.format} · kiln {m.kiln_version} · created {m.created}"
+        f"[bold]{esc(m.name)}[/]  format {m.format} · kiln {esc(m.kiln_version)} · "
+        f"created {esc(m.created)}"
     )
     if digest:
         console.print(f"sha256 {digest}")
-    console.print(f"spec sha256 {m.spec_sha256}")
+    console.print(plain(f"spec sha256 {m.spec_sha256}"))
     if m.compile_kwargs is not None:
         args = ", ".join(f"{k}={v!r}" for k, v in m.compile_kwargs.items())
-        console.print(f"serve with torch.compile({args})", markup=False)
+        console.print(plain(f"serve with torch.compile({args})"))
     console.print(fingerprint_table(m.fingerprint, "baked on"))
     console.print(bucket_table(m.grid, f"grid: {len(m.grid)} buckets"))
     kinds = Table(title=f"{len(m.files)} files, {human_bytes(m.total_bytes)}", title_justify="left")
@@ -93,7 +99,7 @@ def manifest_view(console: Console, m: Manifest, digest: str | None = None) -> N
     kinds.add_column("files", justify="right")
     kinds.add_column("bytes", justify="right")
     for kind, (n, size) in m.bytes_by_kind().items():
-        kinds.add_row(kind, str(n), human_bytes(size))
+        kinds.add_row(plain(kind), str(n), human_bytes(size))
     console.print(kinds)
     if m.env:
-        console.print("serving env: " + " ".join(f"{k}={v}" for k, v in m.env.items()))
+        console.print(plain("serving env: " + " ".join(f"{k}={v}" for k, v in m.env.items())))

@@ -7,11 +7,12 @@ from pathlib import Path
 import typer
 from rich.console import Console
 from rich.table import Table
+from rich.text import Text
 
 from kiln.cli.options import DEVICE_INDEX, JSON, QUIET
 from kiln.cli.render import bucket_table, ms
 from kiln.errors import IncompatibleError, KilnError, VerificationError
-from kiln.output import Output
+from kiln.output import Output, esc, plain, visible
 
 
 def _reported(exc: KilnError) -> KilnError:
@@ -32,11 +33,15 @@ def factor_table(report: object, *, all_rows: bool) -> Table:
         if f.matches and not all_rows:
             continue
         effect = (
-            "ok"
+            Text("ok")
             if f.matches
-            else ("[red]MISS[/] " + f.note if f.causes_miss else f"differs: {f.note}")
+            else (
+                Text.assemble(("MISS", "red"), " ", visible(f.note))
+                if f.causes_miss
+                else plain(f"differs: {f.note}")
+            )
         )
-        table.add_row(f.name, str(f.baked), str(f.here), effect)
+        table.add_row(plain(f.name), plain(f.baked), plain(f.here), effect)
     return table
 
 
@@ -54,9 +59,9 @@ def check_cmd(
     def human(c: Console) -> None:
         c.print(factor_table(report, all_rows=all_rows or report.ok))
         if report.ok:
-            c.print(f"[green]compatible[/]: {report.name} will hit here")
+            c.print(f"[green]compatible[/]: {esc(report.name)} will hit here")
         else:
-            c.print(f"[red]incompatible[/]: {', '.join(f.name for f in report.misses)}")
+            c.print(f"[red]incompatible[/]: {esc(', '.join(f.name for f in report.misses))}")
 
     Output(json_).emit(report.to_dict(), human)
     if not report.ok:
