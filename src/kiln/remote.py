@@ -35,7 +35,7 @@ def _need(module: str, extra: str) -> Any:
         return importlib.import_module(module)
     except ImportError:
         raise UsageError(
-            f"this source needs the {extra!r} extra: pip install 'kiln[{extra}]'"
+            f"this source needs the {extra!r} extra: pip install 'torch-kiln[{extra}]'"
         ) from None
 
 
