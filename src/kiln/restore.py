@@ -35,7 +35,7 @@ from kiln.artifact import open_tar_stream, parse_manifest, read_manifest_member
 from kiln.errors import IntegrityError, KilnError, UsageError
 from kiln.manifest import MANIFEST_NAME, FileEntry, Manifest
 from kiln.serving import ENV_NAME, INDUCTOR_DIR, STATE_NAME, env_file_text
-from kiln.storage import fetch, is_remote
+from kiln.storage import DEFAULT_TIMEOUT, check_timeout, fetch, is_remote, parse_digest
 
 _CHUNK = 1 << 20
 _QUEUE = 16  # chunks in flight between the decompressing and the writing thread
@@ -115,45 +115,60 @@ def restore(
     sha256: str | None = None,
     env_file: str | Path | None = None,
     on_event: Sink | None = None,
+    timeout: float = DEFAULT_TIMEOUT,
 ) -> RestoreResult:
     """Install the artifact at ``source`` (path or URL) into ``dest``.
 
-    Raises :class:`IntegrityError` (exit 3) for a wrong digest or an unsafe/corrupt archive, with
+    ``sha256`` pins the artifact (64 hex digits, ``sha256:`` prefix optional; anything else is
+    a :class:`UsageError`). ``timeout`` bounds a download, in seconds. Raises
+    :class:`IntegrityError` (exit 3) for a wrong digest or an unsafe/corrupt archive, with
     ``dest`` untouched.
     """
     t0 = time.time()
     emit = on_event or (lambda _e: None)
+    pin = parse_digest(sha256)
+    check_timeout(timeout)
     source = str(source)
     dest = Path(dest).absolute()
     dest.parent.mkdir(parents=True, exist_ok=True)
     with _locked(dest):
         _check_dest(dest)
         _clean_stale(dest)
-        if sha256 and installed_digest(dest) == sha256.lower().removeprefix("sha256:"):
+        if pin is not None and installed_digest(dest) == pin:
             return _noop(dest, env_file, t0)
         staging = Path(tempfile.mkdtemp(prefix=f".{dest.name}.kiln-staging-", dir=dest.parent))
         try:
             if is_remote(source):
                 _require_space(dest.parent, 0, "download")
             emit({"event": "fetch", "source": source})
-            fetched = fetch(
+            with fetch(
                 source,
                 staging,
-                expected_sha256=sha256,
+                expected_sha256=pin,
                 on_bytes=lambda n, total: emit({"event": "fetched", "bytes": n, "total": total}),
-            )
-            if installed_digest(dest) == fetched.sha256:
-                shutil.rmtree(staging, ignore_errors=True)
-                return _noop(dest, env_file, t0)
-            tree = staging / "tree"
-            tree.mkdir()
-            with open(fetched.path, "rb") as fh:
-                manifest = _extract(fh, tree, emit)
+                timeout=timeout,
+            ) as fetched:
+                if installed_digest(dest) == fetched.sha256:
+                    shutil.rmtree(staging, ignore_errors=True)
+                    return _noop(dest, env_file, t0)
+                tree = staging / "tree"
+                tree.mkdir()
+                # Unpack from the very file descriptor that was hashed, hashing again as it is
+                # read: the digest recorded (and compared with the pin) is that of the bytes
+                # unpacked, even if the file is rewritten in place meanwhile.
+                reader = _HashingReader(fetched.file)
+                manifest = _extract(reader, tree, emit)
+                unpacked = reader.finish()
+            if unpacked != fetched.sha256:
+                raise IntegrityError(
+                    f"{source}: changed while it was being restored (sha256 {fetched.sha256} "
+                    f"when checked, {unpacked} when unpacked); nothing was changed"
+                )
             if fetched.downloaded:
                 fetched.path.unlink()
             (tree / MANIFEST_NAME).write_bytes(manifest.to_bytes())
             (tree / ENV_NAME).write_text(env_file_text(dest, manifest.name, manifest.env))
-            state = {"artifact_sha256": fetched.sha256, "source": source, "restored": time.time()}
+            state = {"artifact_sha256": unpacked, "source": source, "restored": time.time()}
             (tree / STATE_NAME).write_text(json.dumps(state))
             _swap(tree, dest)
         except OSError as exc:
@@ -170,7 +185,7 @@ def restore(
     written_env = _write_env_copy(dest, env_file)
     return RestoreResult(
         dest=dest,
-        sha256=fetched.sha256,
+        sha256=unpacked,
         files=len(manifest.files),
         bytes=manifest.total_bytes,
         seconds=time.time() - t0,
@@ -192,6 +207,33 @@ def _noop(dest: Path, env_file: str | Path | None, t0: float) -> RestoreResult:
         env_file=_write_env_copy(dest, env_file),
         manifest=manifest,
     )
+
+
+class _HashingReader:
+    """Hashes every byte the decompressor reads from ``fh``, then the rest of the file.
+
+    :meth:`finish` is thus the digest of exactly the bytes that were unpacked (plus any trailing
+    bytes the archive reader never needed), however the file changed on disk meanwhile.
+    """
+
+    def __init__(self, fh: BinaryIO) -> None:
+        self._fh = fh
+        self._h = hashlib.sha256()
+
+    def read(self, n: int = -1) -> bytes:
+        data = self._fh.read(n)
+        self._h.update(data)
+        return data
+
+    def readinto(self, buf: Any) -> int:
+        n = self._fh.readinto(buf)
+        self._h.update(memoryview(buf)[:n])
+        return n
+
+    def finish(self) -> str:
+        while chunk := self._fh.read(_CHUNK):
+            self._h.update(chunk)
+        return self._h.hexdigest()
 
 
 def _write_env_copy(dest: Path, env_file: str | Path | None) -> Path:
