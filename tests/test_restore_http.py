@@ -28,8 +28,7 @@ def artifact(tmp_path: Path) -> bytes:
 
 
 def leftovers(parent: Path) -> list[str]:
-    names = (p.name for p in parent.iterdir() if p.name.startswith(".") and "kiln" in p.name)
-    return sorted(n for n in names if not n.endswith(".kiln.lock"))  # the lock stays, for now
+    return sorted(p.name for p in parent.iterdir() if p.name.startswith(".") and "kiln" in p.name)
 
 
 def one_line(stderr: str) -> str:
