@@ -108,7 +108,7 @@ def test_trickled_body_is_cut_by_the_deadline(tmp_path: Path, artifact: bytes) -
         t0 = time.monotonic()
         with pytest.raises(KilnError, match=r"did not finish within --timeout 1s"):
             restore(f"{url}/a.kiln.tar.zst", installed, timeout=1)
-        assert time.monotonic() - t0 < 2.5
+        assert time.monotonic() - t0 < 4  # 1 s and the teardown of one try
     assert sorted(p.name for p in installed.rglob("*")) == before
     assert leftovers(tmp_path) == []
 
@@ -196,7 +196,7 @@ def test_registry_that_trickles_the_layer_is_cut(tmp_path: Path, artifact: bytes
         t0 = time.monotonic()
         with pytest.raises(KilnError, match=r"did not finish within --timeout 1s"):
             restore(f"oci://{host}/kiln/demo:v1", tmp_path / "c", timeout=1)
-        assert time.monotonic() - t0 < 2.5
+        assert time.monotonic() - t0 < 4  # 1 s and the teardown of one try
 
 
 def test_deadline_is_checked_between_chunks(tmp_path: Path, artifact: bytes) -> None:
@@ -209,6 +209,12 @@ def test_deadline_is_checked_between_chunks(tmp_path: Path, artifact: bytes) -> 
         pytest.raises(KilnError, match="did not finish"),
     ):
         restore(f"{url}/a", tmp_path / "c", timeout=1, on_event=slow_consumer)
+
+
+def test_url_without_a_host_is_a_usage_error(tmp_path: Path) -> None:
+    for url in ("http://", "https:///a.kiln.tar.zst", "http://[::1/a"):
+        with pytest.raises(UsageError, match="not a valid URL"):
+            restore(url, tmp_path / "c")
 
 
 @pytest.mark.parametrize("value", ["0", "-1", "nan", "inf", "soon"])

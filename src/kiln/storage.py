@@ -403,6 +403,12 @@ def _http(
     A body that ends early (a short ``Content-Length`` body, a chunked body cut off) is retried;
     if the last try is still cut short that is exit 3, the artifact never arrived whole.
     """
+    try:
+        host = urllib.parse.urlsplit(source).hostname
+    except ValueError as exc:
+        raise UsageError(f"{source}: not a valid URL: {exc}") from None
+    if not host:
+        raise UsageError(f"{source}: not a valid URL: no host")
     watchdog = _Watchdog(deadline)
     opener = _opener(watchdog)
     last: BaseException | None = None
