@@ -199,6 +199,15 @@ def test_registry_that_trickles_the_layer_is_cut(tmp_path: Path, artifact: bytes
         assert time.monotonic() - t0 < 4  # 1 s and the teardown of one try
 
 
+def test_registry_redirect_to_another_scheme_is_refused(tmp_path: Path) -> None:
+    pytest.importorskip("oras.provider")
+    with scripted_http(lambda x: x.redirect("ftp://127.0.0.1:1/blob")) as url:
+        host = url.removeprefix("http://")
+        with pytest.raises(IntegrityError, match="refused"):
+            restore(f"oci://{host}/kiln/demo:v1", tmp_path / "c")
+    assert not (tmp_path / "c").exists()
+
+
 def test_deadline_is_checked_between_chunks(tmp_path: Path, artifact: bytes) -> None:
     def slow_consumer(event: dict) -> None:
         if event["event"] == "fetched":
