@@ -8,13 +8,14 @@ from __future__ import annotations
 
 import hashlib
 import json
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
 import kiln
-from kiln.errors import IntegrityError, NotFoundError, UsageError
+from kiln.errors import IntegrityError, KilnError, NotFoundError, UsageError
 from tests.archives import good_archive
 from tests.servers import gcs_server, oci_registry, s3_server
 
@@ -116,8 +117,9 @@ def test_oci_pushes_the_same_bytes_and_digest_twice(tmp_path: Path, registry: st
     fetched.mkdir()
     from kiln.storage import fetch
 
-    got = fetch(first["pinned"], fetched)
-    assert got.path.read_bytes() == art.read_bytes()
+    with fetch(first["pinned"], fetched) as got:
+        assert got.path.read_bytes() == art.read_bytes()
+        assert got.file.read() == art.read_bytes()
 
 
 def test_oci_errors(tmp_path: Path, registry: str) -> None:
@@ -141,3 +143,26 @@ def test_unknown_scheme_is_usage_error(tmp_path: Path) -> None:
     art = good_archive(tmp_path / "a.kiln.tar.zst", FILES)
     with pytest.raises(UsageError, match="cannot push"):
         kiln.push(art, "ftp://example/a")
+
+
+@pytest.mark.parametrize(
+    ("scheme", "env_fixture"), [("s3", "aws_env"), ("gs", "gcs_env"), ("oci", "registry")]
+)
+def test_remote_fetches_keep_the_deadline(
+    tmp_path: Path, scheme: str, env_fixture: str, request: pytest.FixtureRequest
+) -> None:
+    """The --timeout budget is checked in every client's copy loop (here a consumer that stalls
+    past it after the first chunk), not only by the clients' own per-request timeouts."""
+    value = request.getfixturevalue(env_fixture)
+    art = good_archive(tmp_path / "a.kiln.tar.zst", FILES)
+    url = f"oci://{value}/kiln/deadline:v1" if scheme == "oci" else f"{scheme}://kiln/deadline/"
+    pushed = kiln.push(art, url)
+    source = pushed["pinned"] if scheme == "oci" else pushed["dest"]
+
+    def stall(event: dict) -> None:
+        if event["event"] == "fetched":
+            time.sleep(1.1)
+
+    with pytest.raises(KilnError, match=r"did not finish within --timeout 1s"):
+        kiln.restore(source, tmp_path / "c", timeout=1, on_event=stall)
+    assert not (tmp_path / "c").exists()

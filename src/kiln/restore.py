@@ -4,8 +4,9 @@ A compile cache is code: torch unpickles it and dlopens the ``.so`` files in it.
 treats every archive as hostile, whoever made it: the manifest (first member) is the allow-list,
 and only regular files and folders it names, with the sizes and sha256 it gives, are written —
 by us, never by ``tarfile.extract`` (whose filters have had escapes). Everything lands in a
-staging folder beside DIR and is swapped in with one atomic rename only when complete, under a
-lock, so a killed or concurrent restore never leaves DIR half-written.
+staging folder beside DIR and is swapped in with one atomic rename only when complete (checked
+against the manifest right before), under a lock, so a killed or concurrent restore never leaves
+DIR half-written. The digest pinned and recorded is that of the bytes actually unpacked.
 """
 
 from __future__ import annotations
@@ -19,9 +20,12 @@ import hashlib
 import json
 import os
 import queue
+import re
+import secrets
 import shutil
+import signal
+import stat
 import tarfile
-import tempfile
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -31,11 +35,16 @@ from typing import Any, BinaryIO
 
 import zstandard
 
-from kiln.artifact import open_tar_stream, parse_manifest, read_manifest_member
+from kiln.artifact import (
+    MAX_MANIFEST_BYTES,
+    open_tar_stream,
+    parse_manifest,
+    read_manifest_member,
+)
 from kiln.errors import IntegrityError, KilnError, UsageError
 from kiln.manifest import MANIFEST_NAME, FileEntry, Manifest, path_problem
 from kiln.serving import ENV_NAME, INDUCTOR_DIR, STATE_NAME, env_file_text
-from kiln.storage import fetch, is_remote
+from kiln.storage import DEFAULT_TIMEOUT, check_timeout, fetch, is_remote, parse_digest
 
 _CHUNK = 1 << 20
 _QUEUE = 16  # chunks in flight between the decompressing and the writing thread
@@ -69,23 +78,126 @@ class RestoreResult:
         }
 
 
+# --- names beside DEST -------------------------------------------------------------------------
+# Everything restore keeps next to DEST is named `.{DEST name}{suffix}`, and leftovers are found by
+# comparing whole names (never a glob: a DEST called `c*` or `cache[1]` would match its
+# neighbours' folders and delete them).
+_LOCK_SUFFIX = ".kiln.lock"
+_STAGING_INFIX = ".kiln-staging-"
+_STAGING_TOKEN = re.compile(r"[0-9a-f]{12}|[a-z0-9_]{8}")  # ours | tempfile.mkdtemp's (old kilns)
+_OLD_SUFFIX = ".kiln-old"  # the previous tree during a two-rename swap (no RENAME_EXCHANGE)
+_LEGACY_OLD = re.compile(r"-[0-9]+")  # `.kiln-old-PID`, what older kilns called it
+_RESERVED = re.compile(r"\..+\.kiln(?:-staging-.*|-old(?:-[0-9]+)?|\.lock)")
+MAX_DEST_NAME = 255 - len(".") - len(_STAGING_INFIX) - 12
+# errno values that mean "this folder cannot be written": the parent is read-only.
+_UNWRITABLE = frozenset({errno.EROFS, errno.EACCES, errno.EPERM})
+
+# Test hook, read only by _swap: KILN_TEST_SWAP=fallback takes the two-rename path that
+# filesystems without RENAME_EXCHANGE get; "fallback,kill" also SIGKILLs this process between
+# the two renames, the crash that path must survive (tests/test_restore_trust.py). Never set it
+# outside tests.
+TEST_SWAP_ENV = "KILN_TEST_SWAP"
+
+
+def _sibling(dest: Path, suffix: str) -> Path:
+    return dest.parent / f".{dest.name}{suffix}"
+
+
+def _dest_path(dest: str | Path) -> Path:
+    """DEST as an absolute path, refused (exit 2) when its name cannot work as a sibling prefix."""
+    path = Path(dest).absolute()
+    name = path.name
+    if name in ("", ".."):
+        raise UsageError(f"{dest}: DEST must name a folder (not / or ..)")
+    if len(os.fsencode(name)) > MAX_DEST_NAME:
+        raise UsageError(f"{dest}: folder name longer than {MAX_DEST_NAME} bytes")
+    if _RESERVED.fullmatch(name):
+        raise UsageError(f"{dest}: names one of kiln's own working folders; pick another name")
+    return path
+
+
 def installed_digest(dest: Path) -> str | None:
+    installed = _installed(Path(dest))
+    return installed[0] if installed else None
+
+
+def _installed(dest: Path) -> tuple[str, Manifest] | None:
+    """The digest and manifest installed in ``dest``, read without a lock and without writing.
+
+    Both files are read through one descriptor of the folder: a concurrent swap exchanges whole
+    trees, so they always come from the same restore. None when there is no complete install.
+    """
     try:
-        return json.loads((dest / STATE_NAME).read_text())["artifact_sha256"]
-    except (OSError, ValueError, KeyError, TypeError):
+        dfd = os.open(dest, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
+    except OSError:
         return None
+    try:
+        state = json.loads(_read_at(dfd, STATE_NAME, 1 << 16))
+        digest = state["artifact_sha256"]
+        manifest = parse_manifest(_read_at(dfd, MANIFEST_NAME, MAX_MANIFEST_BYTES))
+    except (OSError, ValueError, KeyError, TypeError, KilnError):
+        return None
+    finally:
+        os.close(dfd)
+    return (digest, manifest) if isinstance(digest, str) else None
 
 
-@contextlib.contextmanager
-def _locked(dest: Path) -> Iterator[None]:
-    """One restore per DIR at a time, across processes (flock dies with its holder)."""
-    lock = dest.parent / f".{dest.name}.kiln.lock"
-    with open(lock, "a+b") as fh:
-        fcntl.flock(fh.fileno(), fcntl.LOCK_EX)
-        try:
-            yield
-        finally:
-            fcntl.flock(fh.fileno(), fcntl.LOCK_UN)
+def _read_at(dfd: int, name: str, limit: int) -> bytes:
+    flags = os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK
+    fd = os.open(name, flags, dir_fd=dfd)
+    with os.fdopen(fd, "rb") as fh:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            raise OSError(errno.EINVAL, f"{name} is not a regular file")
+        data = fh.read(limit + 1)
+    if len(data) > limit:
+        raise OSError(errno.EFBIG, f"{name} is too large")
+    return data
+
+
+class _Lock:
+    """One restore per DIR at a time, across processes: ``flock`` on ``.DIR.kiln.lock``.
+
+    The file is removed again on release, so no restore leaves it behind. Removing a lock file
+    is racy unless done this way: unlink only while holding the lock, and after acquiring it,
+    check that the path still names the inode that was locked (a waiter may have opened the
+    file just before its holder unlinked it); if not, start over on the new file. ``flock``
+    dies with its holder, so a killed restore leaves a file that the next one takes and removes.
+    """
+
+    def __init__(self, dest: Path) -> None:
+        self.path = _sibling(dest, _LOCK_SUFFIX)
+        flags = os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK
+        while True:
+            try:
+                fd = os.open(self.path, flags, 0o600)
+            except OSError as exc:
+                if exc.errno in (errno.ELOOP, errno.EISDIR, errno.ENXIO):
+                    raise UsageError(
+                        f"{self.path}: not a lock file kiln made (a link, folder or special "
+                        "file); remove it"
+                    ) from None
+                raise
+            try:
+                st = os.fstat(fd)
+                if not stat.S_ISREG(st.st_mode):
+                    raise UsageError(f"{self.path}: not a lock file kiln made; remove it")
+                fcntl.flock(fd, fcntl.LOCK_EX)
+                try:
+                    now = os.lstat(self.path)
+                except FileNotFoundError:
+                    now = None
+            except BaseException:
+                os.close(fd)
+                raise
+            if now is not None and (now.st_dev, now.st_ino) == (st.st_dev, st.st_ino):
+                self.fd = fd
+                return
+            os.close(fd)  # unlinked or replaced while we waited: lock the current one
+
+    def release(self) -> None:
+        with contextlib.suppress(OSError):
+            self.path.unlink()  # still holding it: waiters see the inode change and retry
+        os.close(self.fd)
 
 
 def _check_dest(dest: Path) -> None:
@@ -101,11 +213,54 @@ def _check_dest(dest: Path) -> None:
             raise UsageError(f"{dest}: not empty and not a kiln folder; refusing to replace it")
 
 
+def _siblings(dest: Path) -> Iterator[tuple[str, os.DirEntry[str]]]:
+    """This DEST's leftovers beside it, by exact name: ("staging" | "old", entry)."""
+    staging = f".{dest.name}{_STAGING_INFIX}"
+    old = f".{dest.name}{_OLD_SUFFIX}"
+    with os.scandir(dest.parent) as entries:
+        for entry in entries:
+            name = entry.name
+            if name.startswith(staging) and _STAGING_TOKEN.fullmatch(name[len(staging) :]):
+                yield "staging", entry
+            elif name == old or (name.startswith(old) and _LEGACY_OLD.fullmatch(name[len(old) :])):
+                yield "old", entry
+
+
+def _recover(dest: Path, emit: Sink) -> None:
+    """Finish what a restore killed inside a two-rename swap left (we hold the lock).
+
+    DEST missing and an old tree beside it: the crash came between the renames, so the old tree
+    goes back first, before anything could delete it. DEST present: the swap had finished and
+    the old tree is garbage.
+    """
+    olds = sorted(
+        (entry for kind, entry in _siblings(dest) if kind == "old"),
+        key=lambda e: e.name != f".{dest.name}{_OLD_SUFFIX}",  # the current name first
+    )
+    for entry in olds:
+        if not os.path.lexists(dest) and entry.is_dir(follow_symlinks=False):
+            os.rename(entry.path, dest)
+            emit({"event": "recovered", "dest": str(dest), "from": entry.name})
+        elif entry.is_dir(follow_symlinks=False):
+            shutil.rmtree(entry.path, ignore_errors=True)
+
+
 def _clean_stale(dest: Path) -> None:
-    """Remove leftovers of restores that were killed (we hold the lock, so none is running)."""
-    for p in dest.parent.glob(f".{dest.name}.kiln-*"):
-        if p.is_dir() and not p.name.endswith(".lock"):
-            shutil.rmtree(p, ignore_errors=True)
+    """Remove staging folders of restores into this DEST that were killed (we hold its lock,
+    so none of them is running)."""
+    for kind, entry in list(_siblings(dest)):
+        if kind == "staging" and entry.is_dir(follow_symlinks=False):
+            shutil.rmtree(entry.path, ignore_errors=True)
+
+
+def _make_staging(dest: Path) -> Path:
+    while True:
+        path = _sibling(dest, f"{_STAGING_INFIX}{secrets.token_hex(6)}")
+        try:
+            path.mkdir(mode=0o700)
+            return path
+        except FileExistsError:
+            continue
 
 
 def restore(
@@ -115,76 +270,143 @@ def restore(
     sha256: str | None = None,
     env_file: str | Path | None = None,
     on_event: Sink | None = None,
+    timeout: float = DEFAULT_TIMEOUT,
 ) -> RestoreResult:
     """Install the artifact at ``source`` (path or URL) into ``dest``.
 
-    Raises :class:`IntegrityError` (exit 3) for a wrong digest or an unsafe/corrupt archive, with
+    ``sha256`` pins the artifact (64 hex digits, ``sha256:`` prefix optional; anything else is
+    a :class:`UsageError`). ``timeout`` bounds a download, in seconds. Raises
+    :class:`IntegrityError` (exit 3) for a wrong digest or an unsafe/corrupt archive, with
     ``dest`` untouched.
     """
     t0 = time.time()
     emit = on_event or (lambda _e: None)
+    pin = parse_digest(sha256)
+    check_timeout(timeout)
     source = str(source)
-    dest = Path(dest).absolute()
-    dest.parent.mkdir(parents=True, exist_ok=True)
-    with _locked(dest):
-        _check_dest(dest)
-        _clean_stale(dest)
-        if sha256 and installed_digest(dest) == sha256.lower().removeprefix("sha256:"):
-            return _noop(dest, env_file, t0)
-        staging = Path(tempfile.mkdtemp(prefix=f".{dest.name}.kiln-staging-", dir=dest.parent))
-        try:
-            if is_remote(source):
-                _require_space(dest.parent, 0, "download")
-            emit({"event": "fetch", "source": source})
-            fetched = fetch(
-                source,
-                staging,
-                expected_sha256=sha256,
-                on_bytes=lambda n, total: emit({"event": "fetched", "bytes": n, "total": total}),
-            )
-            if installed_digest(dest) == fetched.sha256:
-                shutil.rmtree(staging, ignore_errors=True)
-                return _noop(dest, env_file, t0)
+    dest = _dest_path(dest)
+    if pin is not None:
+        # The installed digest is checked before the lock: a no-op needs no write anywhere, so
+        # it works in a read-only parent folder too.
+        installed = _installed(dest)
+        if installed is not None and installed[0] == pin:
+            _check_dest(dest)
+            return _noop(dest, installed, env_file, t0)
+    try:
+        dest.parent.mkdir(parents=True, exist_ok=True)
+        lock = _Lock(dest)
+    except OSError as exc:
+        if exc.errno not in _UNWRITABLE:
+            raise
+        return _restore_unwritable(source, dest, pin, env_file, t0, exc)
+    try:
+        return _restore_locked(source, dest, pin, env_file, emit, timeout, t0)
+    finally:
+        lock.release()
+
+
+def _restore_unwritable(
+    source: str,
+    dest: Path,
+    pin: str | None,
+    env_file: str | Path | None,
+    t0: float,
+    exc: OSError,
+) -> RestoreResult:
+    """DEST's parent cannot be written (no lock, no staging): only a no-op can succeed.
+
+    A local artifact is hashed to find out; a remote one would have to be downloaded somewhere,
+    so without a matching ``--sha256`` that is a usage error.
+    """
+    if pin is None and not is_remote(source):
+        with fetch(source, dest.parent) as fetched:
+            installed = _installed(dest)
+            if installed is not None and installed[0] == fetched.sha256:
+                _check_dest(dest)
+                return _noop(dest, installed, env_file, t0)
+    raise UsageError(
+        f"{dest.parent}: not writable ({exc.strerror}); restore needs a lock file and a "
+        f"staging folder beside {dest.name} (only restoring the installed digest works here)"
+    )
+
+
+def _restore_locked(
+    source: str,
+    dest: Path,
+    pin: str | None,
+    env_file: str | Path | None,
+    emit: Sink,
+    timeout: float,
+    t0: float,
+) -> RestoreResult:
+    _recover(dest, emit)
+    _check_dest(dest)
+    _clean_stale(dest)
+    installed = _installed(dest)
+    if installed is not None and installed[0] == pin:
+        return _noop(dest, installed, env_file, t0)
+    staging = _make_staging(dest)
+    try:
+        if is_remote(source):
+            _require_space(dest.parent, 0, "download")
+        emit({"event": "fetch", "source": source})
+        with fetch(
+            source,
+            staging,
+            expected_sha256=pin,
+            on_bytes=lambda n, total: emit({"event": "fetched", "bytes": n, "total": total}),
+            timeout=timeout,
+        ) as fetched:
+            if installed is not None and installed[0] == fetched.sha256:
+                return _noop(dest, installed, env_file, t0)
             tree = staging / "tree"
             tree.mkdir()
-            with open(fetched.path, "rb") as fh:
-                manifest = _extract(fh, tree, emit)
-            if fetched.downloaded:
-                fetched.path.unlink()
-            (tree / MANIFEST_NAME).write_bytes(manifest.to_bytes())
-            (tree / ENV_NAME).write_text(env_file_text(dest, manifest.name, manifest.env))
-            state = {"artifact_sha256": fetched.sha256, "source": source, "restored": time.time()}
-            (tree / STATE_NAME).write_text(json.dumps(state))
-            _swap(tree, dest)
-        except OSError as exc:
-            shutil.rmtree(staging, ignore_errors=True)
-            if exc.errno == errno.ENOSPC:
-                raise KilnError(
-                    f"{dest.parent}: disk full while restoring; nothing was changed"
-                ) from None
-            raise
-        except BaseException:
-            shutil.rmtree(staging, ignore_errors=True)
-            raise
+            # Unpack from the very file descriptor that was hashed, hashing again as it is
+            # read: the digest recorded (and compared with the pin) is that of the bytes
+            # unpacked, even if the file is rewritten in place meanwhile.
+            reader = _HashingReader(fetched.file)
+            manifest = _extract(reader, tree, emit)
+            unpacked = reader.finish()
+        if unpacked != fetched.sha256:
+            raise IntegrityError(
+                f"{source}: changed while it was being restored (sha256 {fetched.sha256} when "
+                f"checked, {unpacked} when unpacked); nothing was changed"
+            )
+        if fetched.downloaded:
+            fetched.path.unlink()
+        (tree / MANIFEST_NAME).write_bytes(manifest.to_bytes())
+        (tree / ENV_NAME).write_text(env_file_text(dest, manifest.name, manifest.env))
+        state = {"artifact_sha256": unpacked, "source": source, "restored": time.time()}
+        (tree / STATE_NAME).write_text(json.dumps(state))
+        _verify_stage(tree, dest, manifest)
+        _swap(tree, dest)
+    except OSError as exc:
+        if exc.errno == errno.ENOSPC:
+            raise KilnError(
+                f"{dest.parent}: disk full while restoring; nothing was changed"
+            ) from None
+        raise
+    finally:
         shutil.rmtree(staging, ignore_errors=True)
-    written_env = _write_env_copy(dest, env_file)
     return RestoreResult(
         dest=dest,
-        sha256=fetched.sha256,
+        sha256=unpacked,
         files=len(manifest.files),
         bytes=manifest.total_bytes,
         seconds=time.time() - t0,
         noop=False,
-        env_file=written_env,
+        env_file=_write_env_copy(dest, env_file),
         manifest=manifest,
     )
 
 
-def _noop(dest: Path, env_file: str | Path | None, t0: float) -> RestoreResult:
-    manifest = parse_manifest((dest / MANIFEST_NAME).read_bytes())
+def _noop(
+    dest: Path, installed: tuple[str, Manifest], env_file: str | Path | None, t0: float
+) -> RestoreResult:
+    digest, manifest = installed
     return RestoreResult(
         dest=dest,
-        sha256=installed_digest(dest) or "",
+        sha256=digest,
         files=len(manifest.files),
         bytes=manifest.total_bytes,
         seconds=time.time() - t0,
@@ -192,6 +414,71 @@ def _noop(dest: Path, env_file: str | Path | None, t0: float) -> RestoreResult:
         env_file=_write_env_copy(dest, env_file),
         manifest=manifest,
     )
+
+
+class _HashingReader:
+    """Hashes every byte the decompressor reads from ``fh``, then the rest of the file.
+
+    :meth:`finish` is thus the digest of exactly the bytes that were unpacked (plus any trailing
+    bytes the archive reader never needed), however the file changed on disk meanwhile.
+    """
+
+    def __init__(self, fh: BinaryIO) -> None:
+        self._fh = fh
+        self._h = hashlib.sha256()
+
+    def read(self, n: int = -1) -> bytes:
+        data = self._fh.read(n)
+        self._h.update(data)
+        return data
+
+    def readinto(self, buf: Any) -> int:
+        n = self._fh.readinto(buf)
+        self._h.update(memoryview(buf)[:n])
+        return n
+
+    def finish(self) -> str:
+        while chunk := self._fh.read(_CHUNK):
+            self._h.update(chunk)
+        return self._h.hexdigest()
+
+
+def _verify_stage(tree: Path, dest: Path, manifest: Manifest) -> None:
+    """The staged tree must be exactly what the manifest lists, right before it is swapped in.
+
+    The extractor wrote and checked every file, but the staging folder sits beside DEST where
+    other processes can reach it; a tree missing files (or with others added) is never swapped.
+    """
+    expected = {f.path: f.size for f in manifest.files}
+    own = {MANIFEST_NAME, ENV_NAME, STATE_NAME}
+    found: dict[str, int] = {}
+    odd: list[str] = []
+    for root, dirs, files in os.walk(tree):
+        for name in (*dirs, *files):
+            full = Path(root, name)
+            st = full.lstat()
+            rel = full.relative_to(tree).as_posix()
+            if stat.S_ISREG(st.st_mode):
+                found[rel] = st.st_size
+            elif not stat.S_ISDIR(st.st_mode):
+                odd.append(rel)
+    missing = sorted((set(expected) | own) - set(found))
+    wrong = sorted(p for p, size in expected.items() if p in found and found[p] != size)
+    extra = sorted(set(found) - set(expected) - own) + odd
+    if missing or wrong or extra:
+        problems = [
+            f"{len(items)} file(s) {what}, e.g. {items[0]!r}"
+            for items, what in (
+                (missing, "missing"),
+                (wrong, "of the wrong size"),
+                (extra, "unlisted"),
+            )
+            if items
+        ]
+        raise IntegrityError(
+            f"{dest}: the staged tree does not match the manifest ({'; '.join(problems)}): "
+            "another process changed it; nothing was changed"
+        )
 
 
 def _write_env_copy(dest: Path, env_file: str | Path | None) -> Path:
@@ -394,15 +681,21 @@ def _renameat2_exchange(a: Path, b: Path) -> bool:
 
 def _swap(tree: Path, dest: Path) -> None:
     """Put ``tree`` at ``dest`` in one step; the old contents end up at ``tree`` (then removed)."""
-    if not dest.exists():
+    if not os.path.lexists(dest):
         os.rename(tree, dest)
         return
-    if _renameat2_exchange(tree, dest):
+    hooks = set(os.environ.get(TEST_SWAP_ENV, "").split(","))
+    if "fallback" not in hooks and _renameat2_exchange(tree, dest):
         shutil.rmtree(tree, ignore_errors=True)
         return
-    # No atomic exchange on this filesystem: two renames; a crash between them leaves the old
-    # contents in a `.kiln-old` sibling that the next restore cleans up.
-    old = dest.parent / f".{dest.name}.kiln-old-{os.getpid()}"
+    # No atomic exchange on this filesystem: two renames. The old tree goes to a well-known
+    # name, so a crash between them leaves it recoverable: the next restore (under the lock)
+    # puts it back before anything else (_recover).
+    old = _sibling(dest, _OLD_SUFFIX)
+    if os.path.lexists(old):
+        shutil.rmtree(old)  # a finished swap's garbage: _recover saw DEST present
     os.rename(dest, old)
+    if "kill" in hooks:
+        os.kill(os.getpid(), signal.SIGKILL)
     os.rename(tree, dest)
     shutil.rmtree(old, ignore_errors=True)

@@ -10,6 +10,7 @@ from rich.console import Console
 from kiln.cli.options import JSON, QUIET
 from kiln.cli.render import human_bytes, manifest_view
 from kiln.output import Output, esc
+from kiln.storage import DEFAULT_TIMEOUT
 
 
 def register(app: typer.Typer) -> None:
@@ -37,9 +38,18 @@ def restore_cmd(
         ..., "--dest", "-d", help="Folder to install into (replaced atomically)."
     ),
     sha256: str = typer.Option(
-        None, "--sha256", help="Pinned artifact digest, checked before unpacking."
+        None,
+        "--sha256",
+        help="Pinned artifact digest (64 hex digits, 'sha256:' optional), checked before "
+        "unpacking and again over the bytes unpacked.",
     ),
     env_file: Path = typer.Option(None, "--env-file", help="Also write kiln.env here."),
+    timeout: float = typer.Option(
+        DEFAULT_TIMEOUT,
+        "--timeout",
+        help="Seconds the whole download may take (retries included); a connection idle for "
+        "60 s, or a quarter of this if shorter, is retried.",
+    ),
     json_: bool = JSON,
     quiet: bool = QUIET,
 ) -> None:
@@ -48,7 +58,9 @@ def restore_cmd(
 
     o = Output(json_, quiet)
     with o.progress() as sink:
-        result = restore(source, dest, sha256=sha256, env_file=env_file, on_event=sink)
+        result = restore(
+            source, dest, sha256=sha256, env_file=env_file, on_event=sink, timeout=timeout
+        )
 
     def human(c: Console) -> None:
         what = "already installed" if result.noop else "restored"
