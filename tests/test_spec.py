@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import json
+import resource
+import subprocess
 import sys
 import time
 
@@ -500,3 +502,69 @@ def test_randint_ranges_match_torch() -> None:
             for bad_low, bad_high in ((low - 1, high), (low, high + 1)):
                 with pytest.raises(RuntimeError, match="out of bounds"):
                     torch.randint(bad_low, bad_high, (2,), dtype=dt)
+
+
+# --- problems only the worker can see (item 10): one line, exit 2, at the key ------------------
+
+
+def _limit_memory() -> None:
+    resource.setrlimit(resource.RLIMIT_AS, (4 << 30, 4 << 30))
+
+
+@pytest.mark.parametrize(
+    ("old", "new", "expected", "limited"),
+    [
+        (
+            "  call_kwargs: {scale: 2.0}",
+            "  call_kwargs: {scale: 2.0}\n  device: cuda",
+            ":6:3: model.device: device: cuda, but torch sees no CUDA device here",
+            False,
+        ),
+        (
+            "{scale: 2.0}",
+            "{scale: 2.0, temperature: 1}",
+            ":5:29: model.call_kwargs.temperature: forward() has no argument 'temperature' "
+            "(it takes: x, scale)",
+            False,
+        ),
+        (  # 8 GiB of float32 under a 4 GiB address-space limit: refused before allocating
+            "batch: [2, 3, 5]",
+            "batch: [2, 134217728]",
+            ":9:15: inputs.0.shape: bucket batch=134217728 needs 8.00 GiB for its inputs ('x' "
+            "[134217728, 16] float32: 8.00 GiB), more than the 4.00 GiB this process may "
+            "allocate (RLIMIT_AS)",
+            True,
+        ),
+        (
+            "{dim: 16, hidden: 32}",
+            "{dim: 16, hidden: -1}",
+            ":4:3: model.kwargs: the factory raised RuntimeError: Trying to create tensor with "
+            "negative dimension -1",
+            False,
+        ),
+        (
+            "  dynamic: false",
+            "  dynamic: false\n  backend: no_such_backend",
+            ":8:3: compile.backend: torch.compile refused it: Invalid backend: 'no_such_backend'",
+            False,
+        ),
+    ],
+    ids=["no-cuda", "call-kwargs", "too-large", "factory-raises", "backend"],
+)
+def test_worker_spec_problems_are_one_located_line(
+    tmp_path, old: str, new: str, expected: str, limited: bool
+) -> None:
+    path = tmp_path / "spec.yaml"
+    path.write_text(mlp_spec().replace(old, new))
+    proc = subprocess.run(
+        [sys.executable, "-m", "kiln", "bake", str(path), "-o", str(tmp_path / "o.kiln.tar.zst")],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        preexec_fn=_limit_memory if limited else None,
+    )
+    assert proc.returncode == 2, proc.stderr
+    assert proc.stderr.startswith(f"kiln: error: {path}{expected}"), proc.stderr
+    assert len(proc.stderr.strip().splitlines()) == 1, proc.stderr
+    assert not (tmp_path / "o.kiln.tar.zst").exists()
