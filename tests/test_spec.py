@@ -297,7 +297,19 @@ def test_small_aliases_are_fine(write_spec) -> None:
         ),
         (
             mlp_spec().replace("calls: 2", "calls: !!int two"),
-            "spec.yaml:12:17: not a 64-bit integer",
+            "spec.yaml:12:17: 'two' is not a 64-bit integer",
+        ),
+        (
+            mlp_spec().replace("calls: 2", 'calls: !!int ""'),
+            "spec.yaml:12:17: '' is not a 64-bit integer",
+        ),
+        (
+            mlp_spec().replace("{scale: 2.0}", '{scale: !!float ""}'),
+            "spec.yaml:5:24: '' is not a valid !!float",
+        ),
+        (
+            mlp_spec().replace("dynamic: false", "dynamic: !!bool maybe"),
+            "spec.yaml:7:12: 'maybe' is not a valid !!bool",
         ),
         (
             mlp_spec() + "env: {1: x}\n",
@@ -341,7 +353,7 @@ def test_small_aliases_are_fine(write_spec) -> None:
         ),
         (
             mlp_spec().replace("{scale: 2.0}", "{scale: " + "9" * 5000 + "}"),
-            "spec.yaml:5:24: not a 64-bit integer",
+            "spec.yaml:5:24: '9999999999999999999999999999999999999999'… is not a 64-bit integer",
         ),
         (
             mlp_spec().replace("name: tiny-mlp", 'name: "a\\0b"'),
@@ -352,6 +364,10 @@ def test_small_aliases_are_fine(write_spec) -> None:
             "spec.yaml:1:8: invalid YAML",
         ),
         ("- a\n- b\n", "spec.yaml:1:1: a spec is a mapping of keys"),
+        (  # a key's line break must not split the one-line error
+            mlp_spec() + '"a\\nb\\rc": 1\n',
+            "spec.yaml:13:1: a\\nb\\rc: unknown key",
+        ),
     ],
     ids=lambda v: v[:50] if isinstance(v, str) and v.startswith("spec.yaml") else "",
 )

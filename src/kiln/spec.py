@@ -542,7 +542,7 @@ def _compose(text: str, file: str) -> yaml.Node | None:
     except yaml.reader.ReaderError as exc:
         before = text[: exc.position]
         raise SpecError(
-            f"invalid YAML: character {exc.character!r} is not allowed",
+            f"invalid YAML: character {_codepoint(exc.character)} is not allowed",
             file=file,
             line=before.count("\n") + 1,
             col=exc.position - (before.rfind("\n") + 1) + 1,
@@ -551,6 +551,13 @@ def _compose(text: str, file: str) -> yaml.Node | None:
         raise SpecError(f"invalid YAML: {exc}", file=file) from None
     except UnicodeError:  # lone surrogates in text that did not come from a file
         raise SpecError("invalid YAML: the text is not valid Unicode", file=file) from None
+
+
+def _codepoint(character: str | int | bytes) -> str:
+    """PyYAML's reader reports a str, libyaml's an int, a decoding error a byte."""
+    if isinstance(character, bytes):
+        return "0x" + character.hex()
+    return f"U+{character if isinstance(character, int) else ord(character):04X}"
 
 
 def _construct(loader: yaml.SafeLoader, node: yaml.Node, file: str, path: tuple[str, ...]) -> Any:
@@ -567,7 +574,7 @@ def _construct(loader: yaml.SafeLoader, node: yaml.Node, file: str, path: tuple[
                     file=file,
                     line=key_node.start_mark.line + 1,
                     col=key_node.start_mark.column + 1,
-                    key=".".join(where),
+                    key=_printable(".".join(where)),
                 )
             first[key] = key_node
             out[key] = _construct(loader, value_node, file, where)
@@ -587,10 +594,10 @@ def _scalar(loader: yaml.SafeLoader, node: yaml.Node, file: str) -> Any:
 
     try:
         value = loader.construct_object(node, deep=True)
-    except (yaml.YAMLError, ValueError, KeyError, TypeError, OverflowError) as exc:
-        if node.tag == _TAG + "int":
-            raise refuse("not a 64-bit integer") from None
-        raise refuse(f"not a valid {_tag_name(node.tag)}: {exc}") from None
+    except Exception:  # PyYAML's converters raise what they meet (`!!int ""`: IndexError)
+        shown = repr(node.value) if len(node.value) <= 40 else repr(node.value[:40]) + "…"
+        what = "a 64-bit integer" if node.tag == _TAG + "int" else f"a valid {_tag_name(node.tag)}"
+        raise refuse(f"{shown} is not {what}") from None
     if (
         isinstance(value, int)
         and not isinstance(value, bool)
@@ -626,7 +633,12 @@ def _locate(root: yaml.Node | None, loc: tuple[str | int, ...]) -> tuple[int, in
 
 
 def _dotted(loc: tuple[str | int, ...]) -> str:
-    return ".".join(str(p) for p in loc) or "<root>"
+    return _printable(".".join(str(p) for p in loc)) or "<root>"
+
+
+def _printable(text: str) -> str:
+    """Keys come from the spec: a line break in one must not split the one-line error."""
+    return "".join(c if c.isprintable() else repr(c)[1:-1] for c in text)
 
 
 def parse_spec(text: str, file: str = "<spec>", path: Path | None = None) -> Spec:
@@ -698,7 +710,13 @@ def error_at(spec: Spec, key: str, message: str) -> SpecError:
             root = _compose(spec.path.read_text(encoding="utf-8"), str(spec.path))
             loc = tuple(int(p) if p.isdigit() else p for p in key.split("."))
             line, col = _locate(root, loc) or (None, None)
-    return SpecError(message, file=str(spec.path or "<spec>"), line=line, col=col, key=key)
+    return SpecError(
+        _printable(message),
+        file=str(spec.path or "<spec>"),
+        line=line,
+        col=col,
+        key=_printable(key),
+    )
 
 
 def load_spec(path: str | Path) -> Spec:
