@@ -376,8 +376,9 @@ def _find_module(name: str, base: Path) -> Any:
 _TAG = "tag:yaml.org,2002:"
 _SCALAR_TAGS = frozenset(_TAG + t for t in ("str", "int", "float", "bool", "null"))
 # Implicitly resolved tags that kiln reads as the plain text they are written as: YAML 1.1
-# timestamps (``2024-01-01``) and the ``=`` value key are not values a spec needs.
-_PLAIN_TAGS = frozenset(_TAG + t for t in ("timestamp", "value", "yaml"))
+# timestamps (``2024-01-01``), ``=`` and ``<<`` as a value are not values a spec needs (``<<`` as
+# a key is refused, see check_key).
+_PLAIN_TAGS = frozenset(_TAG + t for t in ("timestamp", "value", "yaml", "merge"))
 
 
 # libyaml's parser where PyYAML was built with it (several times faster), else PyYAML's own; both
@@ -509,7 +510,7 @@ class _Composer:
         return yaml.ScalarNode(tag, event.value, event.start_mark, event.end_mark, event.style)
 
     def check_key(self, key: yaml.Node) -> None:
-        if isinstance(key, yaml.ScalarNode) and key.tag == _TAG + "merge":
+        if isinstance(key, yaml.ScalarNode) and key.value == "<<" and not key.style:
             raise self.error(
                 "merge keys (<<) are not supported: write the keys out", key.start_mark
             )
