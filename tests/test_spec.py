@@ -3,11 +3,15 @@
 from __future__ import annotations
 
 import json
+import resource
+import subprocess
+import sys
+import time
 
 import pytest
 
 from kiln.errors import SpecError
-from kiln.spec import MODE_OPTIONS, load_spec
+from kiln.spec import MODE_OPTIONS, RANDINT_RANGE, load_spec
 from tests.conftest import mlp_spec
 
 
@@ -204,3 +208,379 @@ def test_committed_schema_is_current() -> None:
 
     committed = json.loads((ROOT / "docs" / "spec.schema.json").read_text())
     assert committed == spec_json_schema(), "regenerate: kiln schema > docs/spec.schema.json"
+
+
+# --- issue 11: the environment a spec may set (item 1) ---------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("key", "problem"),
+    [
+        ("A=1; touch pwned; B", "'A=1; touch pwned; B' is not a shell variable name"),
+        ("LD_PRELOAD", "LD_PRELOAD does not affect compilation"),
+        ("PYTHONPATH", "PYTHONPATH does not affect compilation"),
+        ("TORCHINDUCTOR_CACHE_DIR", "TORCHINDUCTOR_CACHE_DIR moves a cache"),
+        ("TRITON_HOME", "TRITON_HOME moves a cache"),
+        ("TORCHINDUCTOR_FORCE_DISABLE_CACHES", "TORCHINDUCTOR_FORCE_DISABLE_CACHES moves a cache"),
+    ],
+)
+def test_env_keys_follow_the_allow_list(write_spec, key: str, problem: str) -> None:
+    msg = error_of(write_spec, mlp_spec() + f"env: {{'{key}': '1'}}\n")
+    assert msg.startswith(f"spec.yaml:13:7: env.{key}: {problem}")
+
+
+def test_compilation_env_keys_are_accepted(write_spec) -> None:
+    text = mlp_spec() + "env: {TORCHINDUCTOR_MAX_AUTOTUNE: 1, TORCH_COMPILE_JOB_ID: x}\n"
+    assert load_spec(write_spec(text)).compile_env() == {
+        "TORCHINDUCTOR_MAX_AUTOTUNE": "1",
+        "TORCH_COMPILE_JOB_ID": "x",
+    }
+
+
+def test_cli_refuses_an_injected_env_key_before_baking(cli, write_spec) -> None:
+    """The reported hole: this spec baked with exit 0 and wrote the key into the manifest."""
+    path = write_spec(mlp_spec() + "env: {'A=1; touch pwned; B': x}\n")
+    proc = cli("bake", path, "-o", "out.kiln.tar.zst", no_torch=True)
+    assert proc.returncode == 2
+    assert proc.stderr.strip() == (
+        f"kiln: error: {path}:13:7: env.A=1; touch pwned; B: "
+        "'A=1; touch pwned; B' is not a shell variable name"
+    )
+
+
+# --- hostile YAML (items 5 and 10) ------------------------------------------------------------
+
+
+def alias_bomb(levels: int = 9) -> str:
+    """Billion laughs: each level lists the previous one 9 times (9**levels strings)."""
+    lines = ["l0: &l0 [lol, lol, lol, lol, lol, lol, lol, lol, lol]"]
+    for i in range(1, levels):
+        lines.append(f"l{i}: &l{i} [" + ", ".join([f"*l{i - 1}"] * 9) + "]")
+    return "\n".join(lines) + "\n"
+
+
+def test_alias_bomb_is_refused_at_once(write_spec) -> None:
+    text = mlp_spec() + alias_bomb()
+    assert len(text.encode()) < 1024 + len(mlp_spec())
+    t0 = time.monotonic()
+    msg = error_of(write_spec, text)
+    assert time.monotonic() - t0 < 0.5
+    assert msg == (
+        "spec.yaml:17:15: the document holds more than 20000 values (an alias counts as "
+        "everything it repeats): refused"
+    )
+
+
+def test_small_aliases_are_fine(write_spec) -> None:
+    """Anchors stay usable for what a spec needs them for: sharing a list of sizes."""
+    text = mlp_spec(buckets="batch: &sizes [2, 3]\nrows: *sizes").replace(
+        "shape: [batch, 16]", "shape: [batch, rows, 16]"
+    )
+    spec = load_spec(write_spec(text))
+    assert spec.buckets == {"batch": [2, 3], "rows": [2, 3]}
+
+
+@pytest.mark.parametrize(
+    ("text", "expected"),
+    [
+        (  # PyYAML's unsafe loaders would call os.system here
+            mlp_spec().replace("name: tiny-mlp", "name: !!python/object/apply:os.system [id]"),
+            "spec.yaml:1:7: tag !!python/object/apply:os.system is not allowed in a spec",
+        ),
+        (
+            mlp_spec().replace("calls: 2", "calls: !custom 2"),
+            "spec.yaml:12:17: tag !custom is not allowed in a spec",
+        ),
+        (
+            mlp_spec().replace("inputs:", "inputs: !!set"),
+            "spec.yaml:8:9: tag !!set is not allowed in a spec",
+        ),
+        (
+            mlp_spec().replace("calls: 2", "calls: !!int two"),
+            "spec.yaml:12:17: 'two' is not a 64-bit integer",
+        ),
+        (
+            mlp_spec().replace("calls: 2", 'calls: !!int ""'),
+            "spec.yaml:12:17: '' is not a 64-bit integer",
+        ),
+        (
+            mlp_spec().replace("{scale: 2.0}", '{scale: !!float ""}'),
+            "spec.yaml:5:24: '' is not a valid !!float",
+        ),
+        (
+            mlp_spec().replace("dynamic: false", "dynamic: !!bool maybe"),
+            "spec.yaml:7:12: 'maybe' is not a valid !!bool",
+        ),
+        (
+            mlp_spec() + "env: {1: x}\n",
+            "spec.yaml:13:7: mapping keys must be strings",
+        ),
+        (
+            mlp_spec().replace("{dim: 16, hidden: 32}", "{dim: 16, hidden: 32, on: 1}"),
+            "spec.yaml:4:33: mapping keys must be strings",
+        ),
+        (
+            mlp_spec() + "? [a, b]\n: 1\n",
+            "spec.yaml:13:3: mapping keys must be strings",
+        ),
+        (
+            mlp_spec() + "exclude: &loop [*loop]\n",
+            "spec.yaml:13:17: recursive alias *loop (used inside its own anchor)",
+        ),
+        (
+            mlp_spec() + "base: &b {calls: 2}\nwarmup2: {<<: *b}\n",
+            "spec.yaml:14:11: merge keys (<<) are not supported",
+        ),
+        (
+            mlp_spec() + "exclude: " + "[" * 40 + "]" * 40 + "\n",
+            "spec.yaml:13:41: nested deeper than 32 levels: refused",
+        ),
+        (
+            mlp_spec() + "exclude: " + "[" * 5000 + "]" * 5000 + "\n",
+            "spec.yaml:13:",  # libyaml's own depth limit, or kiln's
+        ),
+        (
+            mlp_spec() + "---\nname: other\n",
+            "spec.yaml:13:1: a spec is one YAML document",
+        ),
+        (
+            mlp_spec().replace("name: tiny-mlp", "name: " + "a" * 200),
+            "spec.yaml:1:1: name: String should have at most 128 characters",
+        ),
+        (
+            mlp_spec().replace("batch: [2, 3, 5]", "batch: [2, 99999999999999999999999]"),
+            "spec.yaml:11:14: integer beyond 64 bits",
+        ),
+        (
+            mlp_spec().replace("{scale: 2.0}", "{scale: " + "9" * 5000 + "}"),
+            "spec.yaml:5:24: '9999999999999999999999999999999999999999'… is not a 64-bit integer",
+        ),
+        (
+            mlp_spec().replace("name: tiny-mlp", 'name: "a\\0b"'),
+            "spec.yaml:1:7: strings must not contain NUL characters",
+        ),
+        (
+            mlp_spec().replace("name: tiny-mlp", "name: a\x07b"),
+            "spec.yaml:1:8: invalid YAML",
+        ),
+        ("- a\n- b\n", "spec.yaml:1:1: a spec is a mapping of keys"),
+        (  # a key's line break must not split the one-line error
+            mlp_spec() + '"a\\nb\\rc": 1\n',
+            "spec.yaml:13:1: a\\nb\\rc: unknown key",
+        ),
+    ],
+    ids=lambda v: v[:50] if isinstance(v, str) and v.startswith("spec.yaml") else "",
+)
+def test_hostile_yaml_is_a_located_spec_error(write_spec, text: str, expected: str) -> None:
+    assert error_of(write_spec, text).startswith(expected)
+
+
+def test_recursion_and_depth_stay_bounded_whatever_the_recursion_limit(write_spec) -> None:
+    """Deep nesting was a RecursionError (exit 1); kiln's depth bound fires long before."""
+    path = write_spec(mlp_spec() + "exclude: " + "[" * 200 + "]" * 200 + "\n")
+    limit = sys.getrecursionlimit()
+    sys.setrecursionlimit(200)
+    try:
+        with pytest.raises(SpecError, match="nested deeper than 32 levels"):
+            load_spec(path)
+    finally:
+        sys.setrecursionlimit(limit)
+
+
+def test_oversized_spec_file_is_refused_without_reading_it_all(write_spec, tmp_path) -> None:
+    path = write_spec(mlp_spec() + "# " + "x" * (2 << 20) + "\n")
+    with pytest.raises(SpecError, match=r"spec is larger than 1048576 bytes"):
+        load_spec(path)
+    with pytest.raises(SpecError, match=r"spec is larger than 1048576 bytes"):
+        load_spec("/dev/zero")
+
+
+# --- numeric bounds (item 10) -----------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("old", "new", "expected"),
+    [
+        (
+            "calls: 2",
+            "calls: 1000000000",
+            "12:10: warmup.calls: Input should be less than or equal to 1000",
+        ),
+        (
+            "calls: 2",
+            "calls: 2, passes: 100",
+            "12:20: warmup.passes: Input should be less than or equal to 8",
+        ),
+        (
+            "[2, 3, 5]",
+            "[2, 2147483648]",
+            "11:14: buckets.batch.1: Input should be less than or equal to 2147483647",
+        ),
+        (
+            "[2, 3, 5]",
+            "[2, 0]",
+            "11:14: buckets.batch.1: Input should be greater than or equal to 1",
+        ),
+        (
+            "shape: [batch, 16]",
+            "shape: [batch, 4294967296]",
+            "9:30: inputs.0.shape.1: sizes must be >= 1 and <= 2147483647",
+        ),
+        (
+            "[2, 3, 5]",
+            "[2, 2147483647]",
+            "9:15: inputs.0.shape: 34359738352 elements at the "
+            "largest bucket; one input may have at most 2147483648",
+        ),
+        (
+            "shape: [batch, 16]",
+            "shape: [batch" + ", 1" * 16 + "]",
+            "9:15: inputs.0.shape: List should have at most 16 items",
+        ),
+        (
+            "  batch: [2, 3, 5]",
+            "  batch: ["
+            + ", ".join(map(str, range(1, 65)))
+            + "]\n  b2: ["
+            + ", ".join(map(str, range(1, 66)))
+            + "]",
+            "12:3: buckets.b2: the grid has more than 4096 buckets",
+        ),
+        (
+            "fill: randn}",
+            "fill: randint, high: 9223372036854775808}",
+            "9:72: integer beyond 64 bits",
+        ),
+        (
+            "fill: randn}",
+            "fill: randint, low: -9223372036854775809, high: 2}",
+            "9:71: integer beyond 64 bits",
+        ),
+        (
+            "dtype: float32, fill: randn}",
+            "dtype: int32, fill: randint, high: 2147483649}",
+            "9:64: inputs.0.high: int32 values end below 2147483648",
+        ),
+        (
+            "dtype: float32, fill: randn}",
+            "dtype: float16, fill: randint, high: 100000}",
+            "9:66: inputs.0.high: float16 values end below 65505",
+        ),
+        (
+            "dtype: float32, fill: randn}",
+            "dtype: bool, fill: randint, low: -1, high: 2}",
+            "9:63: inputs.0.low: bool values start at 0",
+        ),
+        (
+            "fill: randn}",
+            "fill: randn}\n  - {name: x, shape: [batch]}",
+            "10:6: inputs.1.name: input 'x' is also input 0",
+        ),
+        (
+            "{scale: 2.0}",
+            "{scale: 2.0, x: 1}",
+            "5:29: model.call_kwargs.x: 'x' is already an input's name",
+        ),
+    ],
+)
+def test_numbers_are_bounded_at_parse_time(write_spec, old: str, new: str, expected: str) -> None:
+    text = mlp_spec()
+    assert old in text
+    msg = error_of(write_spec, text.replace(old, new, 1))
+    assert msg.startswith(f"spec.yaml:{expected}"), msg
+
+
+def test_bounds_allow_the_largest_legal_values(write_spec) -> None:
+    text = (
+        mlp_spec(buckets="batch: [1, 2147483647]")
+        .replace("shape: [batch, 16]", "shape: [batch]")
+        .replace(
+            "dtype: float32, fill: randn",
+            "dtype: int64, fill: randint, low: -9223372036854775808, high: 9223372036854775807",
+        )
+        .replace("calls: 2", "calls: 1000, passes: 8")
+    )
+    spec = load_spec(write_spec(text))
+    assert spec.warmup.calls == 1000 and spec.inputs[0].high == 2**63 - 1
+
+
+def test_randint_ranges_match_torch() -> None:
+    """RANDINT_RANGE restates torch's bounds (parsing is torch-free): hold it to torch."""
+    import warnings
+
+    import torch
+
+    for dtype, (low, high) in RANDINT_RANGE.items():
+        dt = getattr(torch, dtype)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            torch.randint(low, high, (2,), dtype=dt)
+            for bad_low, bad_high in ((low - 1, high), (low, high + 1)):
+                with pytest.raises(RuntimeError, match="out of bounds"):
+                    torch.randint(bad_low, bad_high, (2,), dtype=dt)
+
+
+# --- problems only the worker can see (item 10): one line, exit 2, at the key ------------------
+
+
+def _limit_memory() -> None:
+    resource.setrlimit(resource.RLIMIT_AS, (4 << 30, 4 << 30))
+
+
+@pytest.mark.parametrize(
+    ("old", "new", "expected", "limited"),
+    [
+        (
+            "  call_kwargs: {scale: 2.0}",
+            "  call_kwargs: {scale: 2.0}\n  device: cuda",
+            ":6:3: model.device: device: cuda, but torch sees no CUDA device here",
+            False,
+        ),
+        (
+            "{scale: 2.0}",
+            "{scale: 2.0, temperature: 1}",
+            ":5:29: model.call_kwargs.temperature: forward() has no argument 'temperature' "
+            "(it takes: x, scale)",
+            False,
+        ),
+        (  # 8 GiB of float32 under a 4 GiB address-space limit: refused before allocating
+            "batch: [2, 3, 5]",
+            "batch: [2, 134217728]",
+            ":9:15: inputs.0.shape: bucket batch=134217728 needs 8.00 GiB for its inputs ('x' "
+            "[134217728, 16] float32: 8.00 GiB), more than the 4.00 GiB this process may "
+            "allocate (RLIMIT_AS)",
+            True,
+        ),
+        (
+            "{dim: 16, hidden: 32}",
+            "{dim: 16, hidden: -1}",
+            ":4:3: model.kwargs: the factory raised RuntimeError: Trying to create tensor with "
+            "negative dimension -1",
+            False,
+        ),
+        (
+            "  dynamic: false",
+            "  dynamic: false\n  backend: no_such_backend",
+            ":8:3: compile.backend: torch.compile refused it: Invalid backend: 'no_such_backend'",
+            False,
+        ),
+    ],
+    ids=["no-cuda", "call-kwargs", "too-large", "factory-raises", "backend"],
+)
+def test_worker_spec_problems_are_one_located_line(
+    tmp_path, old: str, new: str, expected: str, limited: bool
+) -> None:
+    path = tmp_path / "spec.yaml"
+    path.write_text(mlp_spec().replace(old, new))
+    proc = subprocess.run(
+        [sys.executable, "-m", "kiln", "bake", str(path), "-o", str(tmp_path / "o.kiln.tar.zst")],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        preexec_fn=_limit_memory if limited else None,
+    )
+    assert proc.returncode == 2, proc.stderr
+    assert proc.stderr.startswith(f"kiln: error: {path}{expected}"), proc.stderr
+    assert len(proc.stderr.strip().splitlines()) == 1, proc.stderr
+    assert not (tmp_path / "o.kiln.tar.zst").exists()

@@ -11,6 +11,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import signal
 import subprocess
 import sys
 import tempfile
@@ -71,7 +72,13 @@ def run_worker(
     on_event: EventSink | None = None,
     timeout: float | None = None,
 ) -> WorkerRun:
-    """Run one grid pass in a fresh interpreter; raise a :class:`KilnError` on failure."""
+    """Run one grid pass in a fresh interpreter; raise a :class:`KilnError` on failure.
+
+    The worker leads its own process group, so that when this call is interrupted (Ctrl-C, or
+    SIGTERM, which the CLI turns into an exception) it is killed together with the compile
+    processes Inductor started under it before the temporary folder is removed: nothing is left
+    running or writing into a folder that no longer exists.
+    """
     request = {"spec_path": str(spec.path), **request}
     with tempfile.TemporaryDirectory(prefix="kiln-worker-") as tmp:
         req, res, log = Path(tmp, "request.json"), Path(tmp, "result.json"), Path(tmp, "stderr.log")
@@ -85,6 +92,7 @@ def run_worker(
                 stdin=subprocess.DEVNULL,
                 env=worker_env(env),
                 text=True,
+                start_new_session=True,
             )
             try:
                 assert proc.stdout is not None
@@ -94,7 +102,9 @@ def run_worker(
                             on_event(json.loads(line))
                 proc.wait(timeout=timeout)
             except BaseException:
-                proc.kill()
+                # The leader is not reaped yet, so its group id cannot have been reused.
+                with contextlib.suppress(ProcessLookupError):
+                    os.killpg(proc.pid, signal.SIGKILL)
                 proc.wait()
                 raise
         ended = time.time()
@@ -102,7 +112,7 @@ def run_worker(
         result = json.loads(res.read_text()) if res.exists() else None
     if result is None:
         tail = "\n".join(log_text.strip().splitlines()[-15:])
-        raise WorkerError(f"worker died with exit code {proc.returncode}:\n{tail}")
+        raise WorkerError(f"worker {_death(proc.returncode)}:\n{tail}")
     if not result.get("ok"):
         if result.get("kind") == "spec":
             raise error_at(spec, result["key"], result["message"])
@@ -111,3 +121,12 @@ def run_worker(
         tail = "\n".join(log_text.strip().splitlines()[-15:])
         raise WorkerError(f"{result.get('message')}\n{tail}".strip())
     return WorkerRun(result=result, spawned=spawned, ended=ended, log=log_text)
+
+
+def _death(returncode: int) -> str:
+    """How the worker ended, in words: a SIGKILL nobody asked for is usually the OOM killer."""
+    if returncode >= 0:
+        return f"died with exit code {returncode}"
+    name = signal.Signals(-returncode).name if -returncode in signal.valid_signals() else "?"
+    hint = " (out of memory?)" if -returncode == signal.SIGKILL else ""
+    return f"was killed by {name}{hint}"

@@ -16,18 +16,42 @@ import json
 import re
 import sys
 from pathlib import Path
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, ValidationError, model_validator
 
 from kiln.errors import SpecError
+from kiln.serving import ENV_ALLOWED_PREFIXES, MAX_NAME_LENGTH, NAME_PATTERN, env_key_problem
 
 DType = Literal["float32", "float16", "bfloat16", "int64", "int32", "bool"]
 FloatDType = Literal["float32", "float16", "bfloat16"]
 Mode = Literal["default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs"]
 
-_NAME_RE = r"^[a-z0-9._-]+$"
+# --- limits --------------------------------------------------------------------------------
+# A spec is input from CI, so every number in it is bounded where it is parsed: a typo or a
+# hostile value is exit 2 with its location, never a worker that compiles, allocates or loops
+# until it is killed. The bounds are far beyond any real grid (README: "Limits").
+MAX_SPEC_BYTES = 1 << 20  # the file itself
+MAX_YAML_NODES = 20_000  # values in the document, each alias counted at its expanded size
+MAX_YAML_DEPTH = 32  # levels of nesting (a spec needs 5)
+INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1  # every integer in a spec (torch's widest)
+MAX_SIZE = 2**31 - 1  # a bucket size or a fixed dimension
+MAX_RANK = 16  # dimensions of one input
+MAX_INPUT_ELEMENTS = 2**31  # elements of one input at the grid's largest sizes
+MAX_BUCKETS = 4096  # points of the grid before `exclude` (each one is a compile)
+MAX_CALLS = 1000  # warmup.calls
+MAX_PASSES = 8  # warmup.passes (automatic: at most 4)
+# The values torch.randint can draw for each dtype, as (lowest low, highest high); high is
+# exclusive. float16 stops at its largest finite value; float32/bfloat16 reach past int64.
+RANDINT_RANGE: dict[str, tuple[int, int]] = {
+    "bool": (0, 2),
+    "int32": (-(2**31), 2**31),
+    "float16": (-65504, 65505),
+}
+
+Int64 = Annotated[int, Field(ge=INT64_MIN, le=INT64_MAX)]
+Size = Annotated[int, Field(ge=1, le=MAX_SIZE)]
 
 # torch._inductor.list_mode_options(), restated so that parsing a spec stays torch-free
 # (tests/test_spec.py holds it to torch's table).
@@ -174,11 +198,11 @@ def with_compile_threads(torch_kwargs: dict[str, Any], threads: int | None) -> d
 
 class InputSpec(_Strict):
     name: str = Field(pattern=r"^[A-Za-z_][A-Za-z0-9_]*$")
-    shape: list[str | int]
+    shape: list[str | int] = Field(max_length=MAX_RANK)
     dtype: DType = "float32"
     fill: Literal["randn", "randint", "ones", "zeros"] = "randn"
-    low: int = 0
-    high: int | None = None
+    low: Int64 = 0
+    high: Int64 | None = None
 
     @model_validator(mode="after")
     def _randint_needs_high(self) -> InputSpec:
@@ -186,14 +210,23 @@ class InputSpec(_Strict):
             raise _LocatedValueError(("fill",), "fill: randint needs `high`")
         if self.high is not None and self.high <= self.low:
             raise _LocatedValueError(("high",), "`high` must be greater than `low`")
+        if self.fill == "randint" and self.high is not None and self.dtype in RANDINT_RANGE:
+            lowest, highest = RANDINT_RANGE[self.dtype]
+            if self.low < lowest:
+                raise _LocatedValueError(("low",), f"{self.dtype} values start at {lowest}")
+            if self.high > highest:
+                raise _LocatedValueError(
+                    ("high",), f"{self.dtype} values end below {highest} (high is exclusive)"
+                )
         return self
 
 
 class WarmupSpec(_Strict):
-    calls: int = Field(2, ge=1, description="calls per bucket during bake")
+    calls: int = Field(2, ge=1, le=MAX_CALLS, description="calls per bucket during bake")
     passes: int | None = Field(
         None,
         ge=1,
+        le=MAX_PASSES,
         description=(
             "fresh-process bake passes in different bucket orders; None: 1 for dynamic=false "
             "without autotuning (static shapes are keyed per shape), else until a pass "
@@ -203,40 +236,76 @@ class WarmupSpec(_Strict):
 
 
 class Spec(_Strict):
-    name: str = Field(pattern=_NAME_RE, description="artifact name")
+    name: str = Field(pattern=NAME_PATTERN, max_length=MAX_NAME_LENGTH, description="artifact name")
     model: ModelSpec
     compile: CompileSpec = Field(default_factory=CompileSpec)
     inputs: list[InputSpec] = Field(min_length=1)
-    buckets: dict[str, list[int]] = Field(min_length=1)
+    buckets: dict[str, list[Size]] = Field(min_length=1)
     exclude: list[dict[str, int]] = Field(default_factory=list)
     warmup: WarmupSpec = Field(default_factory=WarmupSpec)
     env: dict[str, str | int | float | bool] = Field(
-        default_factory=dict, description="extra environment for compilation, recorded"
+        default_factory=dict,
+        description=(
+            "extra environment for compilation, recorded; only variables that change compiled "
+            f"code ({', '.join(p + '*' for p in ENV_ALLOWED_PREFIXES)}), never cache locations, "
+            "files or programs"
+        ),
     )
 
     _path: Path | None = PrivateAttr(None)
 
     @model_validator(mode="after")
     def _check_axes(self) -> Spec:
+        points = 1
         for axis, sizes in self.buckets.items():
             if not re.match(r"^[A-Za-z_][A-Za-z0-9_]*$", axis):
                 raise _LocatedValueError(("buckets", axis), "axis names are identifiers")
             if not sizes:
                 raise _LocatedValueError(("buckets", axis), "needs at least one size")
-            if any(s < 1 for s in sizes) or len(set(sizes)) != len(sizes):
+            if len(set(sizes)) != len(sizes):
                 raise _LocatedValueError(("buckets", axis), "sizes must be unique and >= 1")
+            points *= len(sizes)
+            if points > MAX_BUCKETS:
+                raise _LocatedValueError(
+                    ("buckets", axis), f"the grid has more than {MAX_BUCKETS} buckets"
+                )
+        names: dict[str, int] = {}
         for i, inp in enumerate(self.inputs):
+            if inp.name in names:
+                raise _LocatedValueError(
+                    ("inputs", i, "name"), f"input {inp.name!r} is also input {names[inp.name]}"
+                )
+            names[inp.name] = i
+            elements = 1
             for j, dim in enumerate(inp.shape):
                 if isinstance(dim, str) and dim not in self.buckets:
                     raise _LocatedValueError(
                         ("inputs", i, "shape", j), f"axis {dim!r} is not declared in buckets"
                     )
-                if isinstance(dim, int) and dim < 1:
-                    raise _LocatedValueError(("inputs", i, "shape", j), "sizes must be >= 1")
+                if isinstance(dim, int) and not 1 <= dim <= MAX_SIZE:
+                    raise _LocatedValueError(
+                        ("inputs", i, "shape", j), f"sizes must be >= 1 and <= {MAX_SIZE}"
+                    )
+                elements *= max(self.buckets[dim]) if isinstance(dim, str) else dim
+            if elements > MAX_INPUT_ELEMENTS:
+                raise _LocatedValueError(
+                    ("inputs", i, "shape"),
+                    f"{elements} elements at the largest bucket; one input may have at most "
+                    f"{MAX_INPUT_ELEMENTS}",
+                )
+        for key in self.model.call_kwargs:
+            if key in names:
+                raise _LocatedValueError(
+                    ("model", "call_kwargs", key), f"{key!r} is already an input's name"
+                )
         for i, combo in enumerate(self.exclude):
             for axis in combo:
                 if axis not in self.buckets:
                     raise _LocatedValueError(("exclude", i, axis), f"unknown axis {axis!r}")
+        for key in self.env:
+            problem = env_key_problem(key)
+            if problem:
+                raise _LocatedValueError(("env", key), problem)
         return self
 
     # --- derived facts -------------------------------------------------------------------
@@ -288,47 +357,257 @@ def _find_module(name: str, base: Path) -> Any:
     sys.path.insert(0, str(base))
     try:
         return importlib.util.find_spec(name)
-    except (ImportError, ValueError):
+    except Exception:  # a dotted name imports its parent package, which may raise anything
         return None
     finally:
         sys.path.remove(str(base))
 
 
-# --- YAML with positions ----------------------------------------------------------------
+# --- YAML with positions and bounds -------------------------------------------------------
+#
+# A spec may come from anywhere (a pull request, a pipeline variable), and PyYAML left alone will
+# expand a kilobyte of nested aliases into billions of nodes, recurse until RecursionError on deep
+# nesting, and raise assorted exceptions on tags it cannot construct. So kiln composes the node
+# tree itself, with bounds, and builds plain Python values from it: only strings, 64-bit
+# integers, floats, booleans, null, lists and mappings with string keys. Anchors and aliases stay
+# allowed (a shared size list is handy) but count at their expanded size, so a bomb stops at
+# MAX_YAML_NODES; an alias inside its own anchor is refused; merge keys (``<<``) are refused.
+
+_TAG = "tag:yaml.org,2002:"
+_SCALAR_TAGS = frozenset(_TAG + t for t in ("str", "int", "float", "bool", "null"))
+# Implicitly resolved tags that kiln reads as the plain text they are written as: YAML 1.1
+# timestamps (``2024-01-01``), ``=`` and ``<<`` as a value are not values a spec needs (``<<`` as
+# a key is refused, see check_key).
+_PLAIN_TAGS = frozenset(_TAG + t for t in ("timestamp", "value", "yaml", "merge"))
+
+
+# libyaml's parser where PyYAML was built with it (several times faster), else PyYAML's own; both
+# give the same events, and kiln composes and constructs from those itself.
+_Loader: type[yaml.SafeLoader] = getattr(yaml, "CSafeLoader", yaml.SafeLoader)
+
+
+def _tag_name(tag: str) -> str:
+    return "!!" + tag.removeprefix(_TAG) if tag.startswith(_TAG) else tag
+
+
+class _Composer:
+    """Builds a node tree from PyYAML's event stream, refusing what a spec never needs.
+
+    Depth and expanded size are checked as events arrive, so a hostile document is refused after
+    at most MAX_YAML_NODES nodes of work, whatever its size once expanded.
+    """
+
+    def __init__(self, text: str, file: str) -> None:
+        self.loader = _Loader(text)
+        self.file = file
+        self.expanded = 0  # nodes composed so far, each alias counted at its expanded size
+        # anchor -> (node, expanded size, height); size None while the anchored node is open
+        self.anchors: dict[str, tuple[yaml.Node, int | None, int]] = {}
+
+    def error(self, message: str, mark: Any) -> SpecError:
+        return SpecError(
+            message,
+            file=self.file,
+            line=mark.line + 1 if mark is not None else None,
+            col=mark.column + 1 if mark is not None else None,
+        )
+
+    def document(self) -> yaml.Node | None:
+        loader = self.loader
+        loader.get_event()  # stream start
+        if loader.check_event(yaml.StreamEndEvent):
+            return None
+        loader.get_event()  # document start
+        node, _ = self.node(1)
+        loader.get_event()  # document end
+        if not loader.check_event(yaml.StreamEndEvent):
+            event = loader.get_event()
+            raise self.error("a spec is one YAML document (found a second one)", event.start_mark)
+        return node
+
+    def count(self, n: int, mark: Any) -> None:
+        self.expanded += n
+        if self.expanded > MAX_YAML_NODES:
+            raise self.error(
+                f"the document holds more than {MAX_YAML_NODES} values (an alias counts "
+                "as everything it repeats): refused",
+                mark,
+            )
+
+    def node(self, depth: int) -> tuple[yaml.Node, int]:
+        """The next node and its height (levels of nesting, aliases expanded)."""
+        loader = self.loader
+        event = loader.peek_event()
+        if isinstance(event, yaml.AliasEvent):
+            loader.get_event()
+            if event.anchor not in self.anchors:
+                raise self.error(f"undefined alias *{event.anchor}", event.start_mark)
+            target, size, height = self.anchors[event.anchor]
+            if size is None:
+                raise self.error(
+                    f"recursive alias *{event.anchor} (used inside its own anchor)",
+                    event.start_mark,
+                )
+            self.count(size, event.start_mark)
+            self.check_depth(depth + height - 1, event.start_mark)
+            return target, height
+        self.check_depth(depth, event.start_mark)
+        anchor = event.anchor
+        if anchor is not None and anchor in self.anchors:
+            raise self.error(f"duplicate anchor &{anchor}", event.start_mark)
+        start = self.expanded
+        self.count(1, event.start_mark)
+        if isinstance(event, yaml.ScalarEvent):
+            node: yaml.Node = self.scalar()
+            height = 1
+            if anchor is not None:
+                self.anchors[anchor] = (node, 1, 1)
+            return node, height
+        loader.get_event()
+        kind = "seq" if isinstance(event, yaml.SequenceStartEvent) else "map"
+        if event.tag not in (None, "!", _TAG + kind):
+            raise self.error(
+                f"tag {_tag_name(event.tag)} is not allowed in a spec", event.start_mark
+            )
+        collection: yaml.SequenceNode | yaml.MappingNode
+        if kind == "seq":
+            collection = yaml.SequenceNode(_TAG + kind, [], event.start_mark, None)
+        else:
+            collection = yaml.MappingNode(_TAG + kind, [], event.start_mark, None)
+        if anchor is not None:
+            self.anchors[anchor] = (collection, None, 0)
+        height = 1
+        end = yaml.SequenceEndEvent if kind == "seq" else yaml.MappingEndEvent
+        while not loader.check_event(end):
+            if kind == "seq":
+                item, h = self.node(depth + 1)
+                collection.value.append(item)
+            else:
+                key, _ = self.node(depth + 1)
+                self.check_key(key)
+                item, h = self.node(depth + 1)
+                collection.value.append((key, item))
+            height = max(height, h + 1)
+        collection.end_mark = loader.get_event().end_mark
+        if anchor is not None:
+            self.anchors[anchor] = (collection, self.expanded - start, height)
+        return collection, height
+
+    def scalar(self) -> yaml.ScalarNode:
+        event = self.loader.get_event()
+        if event.tag in (None, "!"):
+            tag = self.loader.resolve(yaml.ScalarNode, event.value, event.implicit)
+            if tag in _PLAIN_TAGS:
+                tag = _TAG + "str"
+        elif event.tag in _SCALAR_TAGS:
+            tag = event.tag
+        else:
+            raise self.error(
+                f"tag {_tag_name(event.tag)} is not allowed in a spec (plain strings, numbers, "
+                "booleans, null, lists and mappings only)",
+                event.start_mark,
+            )
+        return yaml.ScalarNode(tag, event.value, event.start_mark, event.end_mark, event.style)
+
+    def check_key(self, key: yaml.Node) -> None:
+        if isinstance(key, yaml.ScalarNode) and key.value == "<<" and not key.style:
+            raise self.error(
+                "merge keys (<<) are not supported: write the keys out", key.start_mark
+            )
+        if not isinstance(key, yaml.ScalarNode) or key.tag != _TAG + "str":
+            raise self.error(
+                "mapping keys must be strings (quote a key that reads as a number, boolean or "
+                "null)",
+                key.start_mark,
+            )
+
+    def check_depth(self, depth: int, mark: Any) -> None:
+        if depth > MAX_YAML_DEPTH:
+            raise self.error(f"nested deeper than {MAX_YAML_DEPTH} levels: refused", mark)
 
 
 def _compose(text: str, file: str) -> yaml.Node | None:
+    """The document's bounded node tree; every problem is a located :class:`SpecError`."""
+    if len(text) > MAX_SPEC_BYTES or len(text.encode("utf-8", "surrogatepass")) > MAX_SPEC_BYTES:
+        raise SpecError(f"spec is larger than {MAX_SPEC_BYTES} bytes", file=file)
     try:
-        return yaml.compose(text, Loader=yaml.SafeLoader)
+        return _Composer(text, file).document()
     except yaml.MarkedYAMLError as exc:
         mark = exc.problem_mark or exc.context_mark
         raise SpecError(
-            f"invalid YAML: {exc.problem or exc}",
+            f"invalid YAML: {exc.problem or exc.context or 'syntax error'}",
             file=file,
             line=mark.line + 1 if mark else None,
             col=mark.column + 1 if mark else None,
         ) from None
+    except yaml.reader.ReaderError as exc:
+        before = text[: exc.position]
+        raise SpecError(
+            f"invalid YAML: character {_codepoint(exc.character)} is not allowed",
+            file=file,
+            line=before.count("\n") + 1,
+            col=exc.position - (before.rfind("\n") + 1) + 1,
+        ) from None
+    except yaml.YAMLError as exc:  # no position known
+        raise SpecError(f"invalid YAML: {exc}", file=file) from None
+    except UnicodeError:  # lone surrogates in text that did not come from a file
+        raise SpecError("invalid YAML: the text is not valid Unicode", file=file) from None
 
 
-def _check_duplicates(node: yaml.Node, file: str, path: tuple[str, ...] = ()) -> None:
+def _codepoint(character: str | int | bytes) -> str:
+    """PyYAML's reader reports a str, libyaml's an int, a decoding error a byte."""
+    if isinstance(character, bytes):
+        return "0x" + character.hex()
+    return f"U+{character if isinstance(character, int) else ord(character):04X}"
+
+
+def _construct(loader: yaml.SafeLoader, node: yaml.Node, file: str, path: tuple[str, ...]) -> Any:
+    """Plain Python values from a composed tree (aliases already bounded by the composer)."""
     if isinstance(node, yaml.MappingNode):
-        seen: dict[str, yaml.Node] = {}
+        out: dict[str, Any] = {}
+        first: dict[str, yaml.Node] = {}
         for key_node, value_node in node.value:
-            key = str(key_node.value)
-            if key in seen:
-                first = seen[key].start_mark.line + 1
+            key = _scalar(loader, key_node, file)
+            where = (*path, key)
+            if key in first:
                 raise SpecError(
-                    f"duplicate key (first defined on line {first})",
+                    f"duplicate key (first defined on line {first[key].start_mark.line + 1})",
                     file=file,
                     line=key_node.start_mark.line + 1,
                     col=key_node.start_mark.column + 1,
-                    key=".".join((*path, key)),
+                    key=_printable(".".join(where)),
                 )
-            seen[key] = key_node
-            _check_duplicates(value_node, file, (*path, key))
-    elif isinstance(node, yaml.SequenceNode):
-        for i, item in enumerate(node.value):
-            _check_duplicates(item, file, (*path, str(i)))
+            first[key] = key_node
+            out[key] = _construct(loader, value_node, file, where)
+        return out
+    if isinstance(node, yaml.SequenceNode):
+        return [
+            _construct(loader, item, file, (*path, str(i))) for i, item in enumerate(node.value)
+        ]
+    return _scalar(loader, node, file)
+
+
+def _scalar(loader: yaml.SafeLoader, node: yaml.Node, file: str) -> Any:
+    def refuse(message: str) -> SpecError:
+        return SpecError(
+            message, file=file, line=node.start_mark.line + 1, col=node.start_mark.column + 1
+        )
+
+    try:
+        value = loader.construct_object(node, deep=True)
+    except Exception:  # PyYAML's converters raise what they meet (`!!int ""`: IndexError)
+        shown = repr(node.value) if len(node.value) <= 40 else repr(node.value[:40]) + "…"
+        what = "a 64-bit integer" if node.tag == _TAG + "int" else f"a valid {_tag_name(node.tag)}"
+        raise refuse(f"{shown} is not {what}") from None
+    if (
+        isinstance(value, int)
+        and not isinstance(value, bool)
+        and not INT64_MIN <= value <= INT64_MAX
+    ):
+        raise refuse("integer beyond 64 bits")
+    if isinstance(value, str) and "\0" in value:
+        raise refuse("strings must not contain NUL characters")
+    return value
 
 
 def _locate(root: yaml.Node | None, loc: tuple[str | int, ...]) -> tuple[int, int] | None:
@@ -355,7 +634,12 @@ def _locate(root: yaml.Node | None, loc: tuple[str | int, ...]) -> tuple[int, in
 
 
 def _dotted(loc: tuple[str | int, ...]) -> str:
-    return ".".join(str(p) for p in loc) or "<root>"
+    return _printable(".".join(str(p) for p in loc)) or "<root>"
+
+
+def _printable(text: str) -> str:
+    """Keys come from the spec: a line break in one must not split the one-line error."""
+    return "".join(c if c.isprintable() else repr(c)[1:-1] for c in text)
 
 
 def parse_spec(text: str, file: str = "<spec>", path: Path | None = None) -> Spec:
@@ -363,10 +647,10 @@ def parse_spec(text: str, file: str = "<spec>", path: Path | None = None) -> Spe
     root = _compose(text, file)
     if root is None:
         raise SpecError("empty spec", file=file, line=1, col=1)
-    _check_duplicates(root, file)
-    data = yaml.SafeLoader(text).get_single_data()
-    if not isinstance(data, dict):
-        raise SpecError("a spec is a mapping of keys", file=file, line=1, col=1)
+    if not isinstance(root, yaml.MappingNode):
+        line, col = root.start_mark.line + 1, root.start_mark.column + 1
+        raise SpecError("a spec is a mapping of keys", file=file, line=line, col=col)
+    data = _construct(yaml.SafeLoader(""), root, file, ())
     try:
         spec = Spec.model_validate(data)
     except ValidationError as exc:
@@ -406,7 +690,10 @@ def _check_factory(spec: Spec, root: yaml.Node, file: str) -> None:
     ok = True
     if target.endswith(".py"):
         origin = spec.factory_origin()
-        ok = origin is not None and origin.is_file()
+        try:
+            ok = origin is not None and origin.is_file()
+        except (OSError, ValueError):  # a name too long for the filesystem, say
+            ok = False
         problem = f"factory file {target!r} not found next to the spec"
     else:
         ok = _find_module(target, spec.base_dir) is not None
@@ -420,18 +707,26 @@ def error_at(spec: Spec, key: str, message: str) -> SpecError:
     """A :class:`SpecError` for a problem found after parsing (e.g. while importing the factory)."""
     line = col = None
     if spec.path is not None:
-        with contextlib.suppress(OSError, yaml.YAMLError):
-            root = yaml.compose(spec.path.read_text(encoding="utf-8"), Loader=yaml.SafeLoader)
+        with contextlib.suppress(OSError, UnicodeDecodeError, SpecError):
+            root = _compose(spec.path.read_text(encoding="utf-8"), str(spec.path))
             loc = tuple(int(p) if p.isdigit() else p for p in key.split("."))
             line, col = _locate(root, loc) or (None, None)
-    return SpecError(message, file=str(spec.path or "<spec>"), line=line, col=col, key=key)
+    return SpecError(
+        _printable(message),
+        file=str(spec.path or "<spec>"),
+        line=line,
+        col=col,
+        key=_printable(key),
+    )
 
 
 def load_spec(path: str | Path) -> Spec:
     """Read a spec file. Raises :class:`SpecError` (exit 2) with ``file:line:col``."""
     p = Path(path)
     try:
-        text = p.read_text(encoding="utf-8")
+        with open(p, "rb") as f:
+            raw = f.read(MAX_SPEC_BYTES + 1)  # never more: the path may be /dev/zero
+        text = raw.decode("utf-8")
     except FileNotFoundError:
         raise SpecError("spec file not found", file=str(path)) from None
     except (OSError, UnicodeDecodeError) as exc:

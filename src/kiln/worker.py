@@ -15,8 +15,12 @@ from __future__ import annotations
 
 import contextlib
 import importlib
+import inspect
 import json
 import logging
+import math
+import os
+import resource
 import statistics
 import sys
 import time
@@ -81,6 +85,10 @@ def resolve_factory(spec: Spec) -> Any:
         module = importlib.import_module(module_name)
     except ImportError as exc:
         raise _SpecProblem("model.factory", f"cannot import {target!r}: {exc}") from exc
+    except Exception as exc:  # the module's own code failed (a SyntaxError, a raise at import)
+        raise _SpecProblem(
+            "model.factory", f"importing {target!r} raised {type(exc).__name__}: {_one_line(exc)}"
+        ) from exc
     finally:
         with contextlib.suppress(ValueError):
             sys.path.remove(base)
@@ -105,23 +113,148 @@ class _SpecProblem(Exception):
 
 
 def make_inputs(spec: Spec, bucket: Bucket, device: Any, seed: int) -> dict[str, Any]:
+    """A bucket's inputs; torch refusing one (allocation, range) is a spec problem at that input."""
     import torch
 
     gen = torch.Generator(device="cpu").manual_seed(seed)
     out: dict[str, Any] = {}
-    for inp in spec.inputs:
+    for i, inp in enumerate(spec.inputs):
         shape = bucket.shape_of(inp.shape)
         dtype = getattr(torch, inp.dtype)
-        if inp.fill == "randint":
-            t = torch.randint(inp.low, inp.high or inp.low + 1, shape, generator=gen, dtype=dtype)
-        elif inp.fill == "randn":
-            t = torch.randn(shape, generator=gen, dtype=torch.float32).to(dtype)
-        elif inp.fill == "ones":
-            t = torch.ones(shape, dtype=dtype)
-        else:
-            t = torch.zeros(shape, dtype=dtype)
-        out[inp.name] = t.to(device)
+        try:
+            if inp.fill == "randint":
+                high = inp.high or inp.low + 1
+                t = torch.randint(inp.low, high, shape, generator=gen, dtype=dtype)
+            elif inp.fill == "randn":
+                t = torch.randn(shape, generator=gen, dtype=torch.float32).to(dtype)
+            elif inp.fill == "ones":
+                t = torch.ones(shape, dtype=dtype)
+            else:
+                t = torch.zeros(shape, dtype=dtype)
+            out[inp.name] = t.to(device)
+        except (RuntimeError, ValueError, OverflowError, MemoryError) as exc:
+            raise _SpecProblem(
+                f"inputs.{i}",
+                f"cannot make input {inp.name!r} {list(shape)} {inp.dtype} on {device} for "
+                f"bucket {bucket.key}: {_one_line(exc)}",
+            ) from exc
     return out
+
+
+_ITEM_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2, "int64": 8, "int32": 4, "bool": 1}
+
+
+def check_input_memory(spec: Spec, device: Any) -> None:
+    """Refuse a grid whose largest bucket's inputs cannot fit, before compiling anything.
+
+    The spec's bounds stop absurd sizes at parse time, but what fits depends on the machine: an
+    allocation past it is an opaque allocator error at best and the OOM killer at worst.
+    """
+    budget, where = _memory_budget(device)
+    if budget is None:
+        return
+    for bucket in expand(spec):
+        sizes = [
+            (math.prod(bucket.shape_of(inp.shape)) * _ITEM_BYTES[inp.dtype], i)
+            for i, inp in enumerate(spec.inputs)
+        ]
+        total = sum(n for n, _ in sizes)
+        if total > budget:
+            largest, i = max(sizes)
+            inp = spec.inputs[i]
+            raise _SpecProblem(
+                f"inputs.{i}.shape",
+                f"bucket {bucket.key} needs {_gib(total)} for its inputs ({inp.name!r} "
+                f"{list(bucket.shape_of(inp.shape))} {inp.dtype}: {_gib(largest)}), more than "
+                f"the {_gib(budget)} {where}",
+            )
+
+
+def _memory_budget(device: Any) -> tuple[int | None, str]:
+    """Bytes this process can still allocate on ``device`` (None: unknown), and what bounds it."""
+    import torch
+
+    if device.type == "cuda":
+        return int(torch.cuda.mem_get_info(device)[0]), f"free on {device}"
+    bounds: list[tuple[int, str]] = []
+    for limit, name in ((resource.RLIMIT_AS, "RLIMIT_AS"), (resource.RLIMIT_DATA, "RLIMIT_DATA")):
+        soft, _ = resource.getrlimit(limit)
+        if soft != resource.RLIM_INFINITY:
+            bounds.append((soft, f"this process may allocate ({name})"))
+    with contextlib.suppress(OSError, ValueError):
+        info = dict(
+            (line.split(":")[0], int(line.split()[1]) * 1024)
+            for line in Path("/proc/meminfo").read_text().splitlines()
+            if line.split()[1:2] and line.split()[1].isdigit()
+        )
+        bounds.append((info["MemAvailable"] + info.get("SwapFree", 0), "available on this machine"))
+    with contextlib.suppress(OSError, ValueError):  # a cgroup v2 memory limit (containers)
+        cgroup = Path("/sys/fs/cgroup")
+        limit_text = (cgroup / "memory.max").read_text().strip()
+        if limit_text != "max":
+            used = int((cgroup / "memory.current").read_text())
+            bounds.append((int(limit_text) - used, "left under this container's memory limit"))
+    return min(bounds) if bounds else (None, "")
+
+
+def _gib(n: int) -> str:
+    return f"{n / 2**30:.2f} GiB"
+
+
+def _one_line(exc: BaseException, limit: int = 300) -> str:
+    """torch's messages can run to pages (every option name, a C++ trace): the first line."""
+    text = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+    return text if len(text) <= limit else text[: limit - 1] + "…"
+
+
+def check_call(model: Any, spec: Spec) -> None:
+    """Refuse inputs or call_kwargs the forward cannot take, before compiling it.
+
+    Called with a keyword it lacks, a compiled forward fails deep inside Dynamo with a
+    traceback; the signature says the same thing in one line, at the key.
+    """
+    import torch
+
+    target = model.forward if isinstance(model, torch.nn.Module) else model
+    try:
+        params = inspect.signature(target).parameters
+    except (TypeError, ValueError):  # a builtin or C callable: nothing to check against
+        return
+    keyword = (inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.KEYWORD_ONLY)
+    takes_any = any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values())
+    named = [n for n, p in params.items() if p.kind in keyword]
+
+    def accepts(name: str) -> bool:
+        return takes_any or name in named
+
+    takes = ", ".join(named) or "no keyword arguments"
+    for i, inp in enumerate(spec.inputs):
+        if not accepts(inp.name):
+            raise _SpecProblem(
+                f"inputs.{i}.name", f"forward() has no argument {inp.name!r} (it takes: {takes})"
+            )
+    for key in spec.model.call_kwargs:
+        if not accepts(key):
+            raise _SpecProblem(
+                f"model.call_kwargs.{key}",
+                f"forward() has no argument {key!r} (it takes: {takes})",
+            )
+    given = {inp.name for inp in spec.inputs} | set(spec.model.call_kwargs)
+    variadic = (inspect.Parameter.VAR_POSITIONAL, inspect.Parameter.VAR_KEYWORD)
+    for name, p in params.items():
+        required = p.default is inspect.Parameter.empty and p.kind not in variadic
+        if required and (name not in given or p.kind is inspect.Parameter.POSITIONAL_ONLY):
+            raise _SpecProblem(
+                "inputs", f"forward() needs {name!r}, which no input or call_kwargs gives"
+            )
+
+
+def _is_allocation_error(exc: BaseException) -> bool:
+    text = str(exc).lower()
+    return isinstance(exc, MemoryError) or (
+        isinstance(exc, RuntimeError)
+        and ("out of memory" in text or "can't allocate memory" in text)
+    )
 
 
 def run(request: dict[str, Any]) -> dict[str, Any]:
@@ -134,7 +267,14 @@ def run(request: dict[str, Any]) -> dict[str, Any]:
     device = torch.device(spec.model.device, device_index if spec.model.device == "cuda" else None)
     if device.type == "cuda":
         if not torch.cuda.is_available():
-            raise RuntimeError("spec asks for device cuda but torch sees no CUDA device")
+            build = f"CUDA {torch.version.cuda}" if torch.version.cuda else "no CUDA support"
+            visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+            hidden = "" if visible is None else f"; CUDA_VISIBLE_DEVICES={visible!r}"
+            raise _SpecProblem(
+                "model.device",
+                f"device: cuda, but torch sees no CUDA device here (torch {torch.__version__} "
+                f"with {build}{hidden})",
+            )
         torch.cuda.set_device(device)
     sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
     cache_root = Path(request["cache_root"]) if request.get("cache_root") else None
@@ -155,19 +295,39 @@ def run(request: dict[str, Any]) -> dict[str, Any]:
         torch._logging.set_logs(recompiles=True)
         logging.getLogger("torch._dynamo.guards.__recompiles").addHandler(recompiles)
 
+    check_input_memory(spec, device)
     factory = resolve_factory(spec)
+    kwargs_key = "model.kwargs" if spec.model.kwargs else "model.factory"
     try:
         model = factory(**spec.model.kwargs)
     except TypeError as exc:
         raise _SpecProblem("model.kwargs", f"factory rejected its kwargs: {exc}") from exc
+    except Exception as exc:  # the factory is the spec's code: its failure is the spec's
+        raise _SpecProblem(
+            kwargs_key, f"the factory raised {type(exc).__name__}: {_one_line(exc)}"
+        ) from exc
     if isinstance(model, torch.nn.Module):
-        model = model.to(device=device, dtype=getattr(torch, spec.model.dtype)).eval()
+        try:
+            model = model.to(device=device, dtype=getattr(torch, spec.model.dtype)).eval()
+        except Exception as exc:
+            if not _is_allocation_error(exc):
+                raise
+            raise _SpecProblem(
+                kwargs_key, f"the model does not fit on {device}: {_one_line(exc)}"
+            ) from exc
+    check_call(model, spec)
     sync()  # the start-up figure includes moving the weights to the device
     precompiled, precompile_load_s = _precompiled(request, spec, model)
     if precompiled is not None:
         fn: Any = precompiled
     elif request.get("compile", True):
-        fn = torch.compile(model, **_torch_kwargs(request, spec))
+        kwargs = _torch_kwargs(request, spec)
+        try:
+            fn = torch.compile(model, **kwargs)
+        except RuntimeError as exc:  # torch checks the backend and option names here
+            key = "compile.backend" if "backend" in str(exc).lower() else "compile.options"
+            message = _one_line(exc).split(", known options are")[0]
+            raise _SpecProblem(key, f"torch.compile refused it: {message}") from exc
     else:
         fn = model
     building = precompiled is not None and bool(request.get("precompile_save"))

@@ -7,7 +7,9 @@ Importing this package never imports torch: commands that need it import it when
 
 from __future__ import annotations
 
+import signal
 import sys
+import types
 
 import typer
 
@@ -46,7 +48,16 @@ def _root(
     """Bake torch.compile caches in CI, ship them as verified artifacts, prove they hit."""
 
 
+def _terminated(signum: int, _frame: types.FrameType | None) -> None:
+    """SIGTERM unwinds like Ctrl-C: ``finally`` blocks and context managers run, so a bake kills
+    its worker and removes its temporary folders. Later SIGTERMs are ignored, so that cleanup
+    is not cut short; SIGKILL still ends it."""
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    raise SystemExit(128 + signum)
+
+
 def main() -> None:
+    signal.signal(signal.SIGTERM, _terminated)
     try:
         app(standalone_mode=True)
     except SystemExit:
