@@ -33,7 +33,7 @@ from kiln.grid import Bucket, expand, rotations
 from kiln.manifest import BucketStats, Manifest, PassStats
 from kiln.runner import EventSink, WorkerRun, run_worker
 from kiln.serving import INDUCTOR_DIR, MEGACACHE_NAME, PRECOMPILED_NAME
-from kiln.spec import Spec, load_spec
+from kiln.spec import MAX_PASSES, Spec, load_spec
 
 MAX_AUTO_PASSES = 4
 
@@ -93,6 +93,8 @@ def bake(
     buckets = expand(spec)
     if not buckets:
         raise UsageError("the grid is empty after `exclude`")
+    if passes is not None and not 1 <= passes <= MAX_PASSES:
+        raise UsageError(f"passes must be between 1 and {MAX_PASSES}")
     n_passes = passes or spec.warmup.passes
     auto = n_passes is None
     if auto:

@@ -11,6 +11,7 @@ from rich.console import Console
 from kiln.cli.options import DEVICE_INDEX, JSON, QUIET
 from kiln.cli.render import bucket_table, fingerprint_table, human_bytes
 from kiln.output import Output, esc
+from kiln.spec import MAX_PASSES
 
 
 def register(app: typer.Typer) -> None:
@@ -25,7 +26,7 @@ def bake_cmd(
         None, "--out", "-o", help="Artifact path [default: NAME.kiln.tar.zst]."
     ),
     passes: int = typer.Option(
-        None, "--passes", min=1, help="Fresh-process passes in other orders."
+        None, "--passes", min=1, max=MAX_PASSES, help="Fresh-process passes in other orders."
     ),
     json_: bool = JSON,
     quiet: bool = QUIET,
