@@ -7,6 +7,7 @@ import resource
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import pytest
 
@@ -584,3 +585,15 @@ def test_worker_spec_problems_are_one_located_line(
     assert proc.stderr.startswith(f"kiln: error: {path}{expected}"), proc.stderr
     assert len(proc.stderr.strip().splitlines()) == 1, proc.stderr
     assert not (tmp_path / "o.kiln.tar.zst").exists()
+
+
+def test_bake_passes_are_bounded_before_anything_runs(write_spec, tmp_path: Path, cli) -> None:
+    import kiln
+    from kiln.errors import UsageError
+
+    spec = write_spec(mlp_spec())
+    with pytest.raises(UsageError, match="passes"):
+        kiln.bake(spec, tmp_path / "a.kiln.tar.zst", passes=1_000_000)
+    proc = cli("bake", spec, "--passes", "1000000", no_torch=True)
+    assert proc.returncode == 2, proc.stderr
+    assert not (tmp_path / "a.kiln.tar.zst").exists()
