@@ -18,8 +18,8 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 import torch
 
 import kiln
+from kiln.compiler.worker import make_inputs, resolve_factory
 from kiln.grid import expand
-from kiln.worker import make_inputs, resolve_factory
 
 
 def main() -> None:

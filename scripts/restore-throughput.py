@@ -17,10 +17,10 @@ import tempfile
 import time
 from pathlib import Path
 
-from kiln.artifact import write_artifact
-from kiln.capture import capture
-from kiln.manifest import Manifest
-from kiln.restore import restore
+from kiln.artifact.archive import write_artifact
+from kiln.artifact.manifest import Manifest
+from kiln.artifact.restore import restore
+from kiln.compiler.capture import capture
 
 
 def synthetic(root: Path, mib: int) -> Path:

@@ -18,7 +18,7 @@ from typing import Any
 
 import zstandard
 
-from kiln.manifest import MAX_FILES, MAX_MANIFEST_BYTES, FileEntry, Manifest
+from kiln.artifact.manifest import MAX_FILES, MAX_MANIFEST_BYTES, FileEntry, Manifest
 
 FILES = {"inductor/fxgraph/a/entry": b"A" * 1000, "inductor/xy/k.py": b"print(1)\n"}
 

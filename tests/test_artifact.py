@@ -8,8 +8,8 @@ from pathlib import Path
 
 import pytest
 
-from kiln.artifact import read_manifest, write_artifact
-from kiln.capture import capture, classify
+from kiln.artifact.archive import read_manifest, write_artifact
+from kiln.compiler.capture import capture, classify
 from kiln.errors import IntegrityError, NotFoundError
 
 

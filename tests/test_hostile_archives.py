@@ -13,10 +13,10 @@ from pathlib import Path
 
 import pytest
 
-from kiln.artifact import read_manifest, write_artifact
+from kiln.artifact.archive import read_manifest, write_artifact
+from kiln.artifact.manifest import MAX_MANIFEST_BYTES
+from kiln.artifact.restore import restore
 from kiln.errors import IntegrityError, UsageError
-from kiln.manifest import MAX_MANIFEST_BYTES
-from kiln.restore import restore
 from kiln.serving import ENV_NAME
 from tests.archives import (
     FILES,

@@ -27,10 +27,10 @@ from hypothesis import strategies as st
 from rich.console import Console
 
 import kiln
-from kiln.artifact import parse_manifest
+from kiln.artifact.archive import parse_manifest
+from kiln.artifact.manifest import Manifest
 from kiln.cli.render import manifest_view
 from kiln.errors import IntegrityError, KilnError, NotFoundError, UsageError
-from kiln.manifest import Manifest
 from tests.archives import FILES, good_archive, manifest_for, reg, write_archive
 
 EXPECTED = (IntegrityError, UsageError, NotFoundError)

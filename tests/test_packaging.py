@@ -108,7 +108,7 @@ def test_wheel_metadata_and_contents(dists: tuple[Path, Path]) -> None:
         meta = HeaderParser().parsestr(zf.read(f"{info}/METADATA").decode())
         entry_points = zf.read(f"{info}/entry_points.txt").decode()
     assert meta["Name"] == DIST_NAME
-    assert meta["Version"] == kiln.__version__  # one version, read from kiln/__init__.py
+    assert meta["Version"] == kiln.__version__  # one version, read from kiln/_version.py
     requires = meta.get_all("Requires-Dist")
     assert any(re.match(r"torch\b", r) for r in requires)
     assert {"s3", "gcs", "oci", "gpu"} <= set(meta.get_all("Provides-Extra"))

@@ -18,8 +18,8 @@ from pathlib import Path
 
 import pytest
 
+from kiln.artifact.restore import restore
 from kiln.errors import IntegrityError, KilnError, NotFoundError, UsageError
-from kiln.restore import restore
 from kiln.serving import ENV_NAME
 from tests.archives import good_archive, manifest_for, reg, special, write_archive
 
@@ -178,7 +178,7 @@ def test_missing_source_is_not_found(tmp_path: Path) -> None:
 
 
 def _restore_cmd(art: Path, dest: Path) -> list[str]:
-    code = f"from kiln.restore import restore; restore({str(art)!r}, {str(dest)!r})"
+    code = f"from kiln.artifact.restore import restore; restore({str(art)!r}, {str(dest)!r})"
     return [sys.executable, "-c", code]
 
 

@@ -14,8 +14,8 @@ from pathlib import Path
 
 import pytest
 
+from kiln.artifact.restore import restore
 from kiln.errors import IntegrityError, KilnError, UsageError
-from kiln.restore import restore
 from tests.archives import good_archive
 from tests.servers import Exchange, scripted_http, self_signed_tls
 

@@ -21,14 +21,14 @@ from pathlib import Path
 
 import pytest
 
+from kiln.artifact.restore import restore
 from kiln.errors import IntegrityError, NotFoundError, UsageError
-from kiln.restore import restore
 from kiln.serving import STATE_NAME
 from tests.archives import good_archive
 
 FILES = {"inductor/fxgraph/a/entry": os.urandom(5000), "inductor/xy/k.py": b"print(1)\n"}
 EVIL = {"inductor/evil.py": b"import os\n"}
-restore_module = importlib.import_module("kiln.restore")  # `kiln.restore` is the function
+restore_module = importlib.import_module("kiln.artifact.restore")
 TEST_SWAP_ENV = "KILN_TEST_SWAP"  # restore's documented test hook (kiln.restore.TEST_SWAP_ENV)
 
 
@@ -304,7 +304,7 @@ def test_fallback_swap_replaces_dest_and_leaves_nothing(
 
 
 def kill_between_renames(art: Path, dest: Path) -> None:
-    code = f"from kiln.restore import restore; restore({str(art)!r}, {str(dest)!r})"
+    code = f"from kiln.artifact.restore import restore; restore({str(art)!r}, {str(dest)!r})"
     env = {**os.environ, TEST_SWAP_ENV: "fallback,kill"}
     proc = subprocess.run([sys.executable, "-c", code], env=env, timeout=60)
     assert proc.returncode == -9  # SIGKILL, between `DEST -> .DEST.kiln-old` and `tree -> DEST`

@@ -12,9 +12,9 @@ from pathlib import Path
 import pytest
 
 import kiln
+from kiln.artifact.manifest import BucketStats
+from kiln.compiler.verify import explain
 from kiln.errors import KilnError
-from kiln.manifest import BucketStats
-from kiln.verify import explain
 from tests.conftest import MODELS, mlp_spec
 
 pytestmark = pytest.mark.slow

@@ -115,7 +115,7 @@ def test_oci_pushes_the_same_bytes_and_digest_twice(tmp_path: Path, registry: st
     assert first["manifest_digest"] == second["manifest_digest"]
     fetched = tmp_path / "fetched"
     fetched.mkdir()
-    from kiln.storage import fetch
+    from kiln.artifact.storage import fetch
 
     with fetch(first["pinned"], fetched) as got:
         assert got.path.read_bytes() == art.read_bytes()

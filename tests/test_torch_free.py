@@ -14,7 +14,10 @@ from tests.conftest import NO_TORCH
 
 
 def test_import_kiln_cli_without_torch() -> None:
-    code = NO_TORCH + "import kiln, kiln.cli, kiln.restore, kiln.artifact; print('ok')"
+    code = (
+        NO_TORCH
+        + "import kiln, kiln.cli, kiln.artifact.restore, kiln.artifact.archive; print('ok')"
+    )
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
     assert proc.returncode == 0, proc.stderr
     code = "import sys, kiln.cli; print('torch' in sys.modules)"

@@ -2,24 +2,26 @@
 
 ``import kiln`` never imports torch: every module keeps torch imports inside the functions that
 need it, so the restore path runs in slim init containers without it.
+
+The package is two worlds with one boundary: :mod:`kiln.artifact` (manifest, archive, storage,
+restore) runs without torch; :mod:`kiln.compiler` (bake, worker, verify, bench, check, activate)
+runs where the model runs. Shared, torch-free pieces sit at the top: the spec and its grid, the
+serving environment, events and errors.
 """
 
 from __future__ import annotations
 
-__version__ = "0.1.0"
-
-# Bound eagerly on purpose: a lazily imported submodule `kiln.bake` would replace the function
-# `kiln.bake` on the package the moment it is imported.
-from kiln.artifact import read_manifest
-from kiln.bake import BakeResult, bake
-from kiln.bench import bench
-from kiln.check import check
-from kiln.fingerprint import fingerprint
-from kiln.restore import RestoreResult, restore
-from kiln.runtime import activate
+from kiln._version import __version__
+from kiln.artifact.archive import read_manifest
+from kiln.artifact.restore import RestoreResult, restore
+from kiln.artifact.storage import push
+from kiln.compiler.activate import activate
+from kiln.compiler.bake import BakeResult, bake
+from kiln.compiler.bench import bench
+from kiln.compiler.check import check
+from kiln.compiler.fingerprint import fingerprint
+from kiln.compiler.verify import verify
 from kiln.spec import load_spec
-from kiln.storage import push
-from kiln.verify import verify
 
 __all__ = [
     "BakeResult",

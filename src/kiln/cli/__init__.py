@@ -13,9 +13,9 @@ import types
 
 import typer
 
-from kiln import __version__
+from kiln._version import __version__
 from kiln.cli import artifacts, bench, build, serve
-from kiln.output import report_error
+from kiln.cli.output import report_error
 
 app = typer.Typer(
     name="kiln",

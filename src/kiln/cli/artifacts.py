@@ -7,10 +7,10 @@ from pathlib import Path
 import typer
 from rich.console import Console
 
+from kiln.artifact.storage import DEFAULT_TIMEOUT
 from kiln.cli.options import JSON, QUIET
+from kiln.cli.output import Output, esc
 from kiln.cli.render import human_bytes, manifest_view
-from kiln.output import Output, esc
-from kiln.storage import DEFAULT_TIMEOUT
 
 
 def register(app: typer.Typer) -> None:
@@ -24,7 +24,7 @@ def inspect_cmd(
     json_: bool = JSON,
 ) -> None:
     """Show an artifact's manifest without unpacking it: fingerprint, grid, files by kind."""
-    from kiln.artifact import read_manifest
+    from kiln.artifact.archive import read_manifest
 
     m = read_manifest(artifact)
     Output(json_).emit(m.model_dump(mode="json"), lambda c: manifest_view(c, m))
@@ -54,7 +54,7 @@ def restore_cmd(
     quiet: bool = QUIET,
 ) -> None:
     """Fetch and unpack an artifact into DEST safely, atomically and idempotently."""
-    from kiln.restore import restore
+    from kiln.artifact.restore import restore
 
     o = Output(json_, quiet)
     with o.progress() as sink:
@@ -83,7 +83,7 @@ def push_cmd(
     json_: bool = JSON,
 ) -> None:
     """Upload an artifact; prints its digest so CI can pin the restore."""
-    from kiln.storage import push
+    from kiln.artifact.storage import push
 
     result = push(artifact, dest)
     Output(json_).emit(

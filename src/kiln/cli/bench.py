@@ -9,8 +9,8 @@ from rich.console import Console
 from rich.table import Table
 
 from kiln.cli.options import JSON, QUIET
+from kiln.cli.output import Output, esc, plain
 from kiln.cli.render import human_bytes, ms
-from kiln.output import Output, esc, plain
 
 
 def register(app: typer.Typer) -> None:
@@ -44,7 +44,7 @@ def bench_cmd(
     quiet: bool = QUIET,
 ) -> None:
     """Bake SPEC, then time every mode in its own fresh process and print the ratios."""
-    from kiln.bench import EXTRA_MODES, MODES, bench
+    from kiln.compiler.bench import EXTRA_MODES, MODES, bench
     from kiln.errors import UsageError
 
     chosen = tuple(m.strip() for m in modes.split(",") if m.strip())

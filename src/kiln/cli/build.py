@@ -9,8 +9,8 @@ import typer
 from rich.console import Console
 
 from kiln.cli.options import DEVICE_INDEX, JSON, QUIET
+from kiln.cli.output import Output, esc
 from kiln.cli.render import bucket_table, fingerprint_table, human_bytes
-from kiln.output import Output, esc
 from kiln.spec import MAX_PASSES
 
 
@@ -32,7 +32,7 @@ def bake_cmd(
     quiet: bool = QUIET,
 ) -> None:
     """Compile SPEC's grid in an isolated cache root and write a deterministic artifact."""
-    from kiln.bake import bake
+    from kiln.compiler.bake import bake
     from kiln.spec import load_spec
 
     o = Output(json_, quiet)
@@ -69,7 +69,7 @@ def env_cmd(
     json_: bool = JSON,
 ) -> None:
     """Print this machine's fingerprint (the fields a manifest records)."""
-    from kiln.fingerprint import fingerprint
+    from kiln.compiler.fingerprint import fingerprint
 
     fp = fingerprint(device, device_index=device_index or 0)
     Output(json_).emit(fp, lambda c: c.print(fingerprint_table(fp, "this environment")))

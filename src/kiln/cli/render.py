@@ -11,8 +11,8 @@ from typing import Any
 from rich.console import Console
 from rich.table import Table
 
-from kiln.manifest import BucketStats, Manifest
-from kiln.output import esc, plain
+from kiln.artifact.manifest import BucketStats, Manifest
+from kiln.cli.output import esc, plain
 
 FINGERPRINT_ROWS = (
     ("torch", "torch.version"),

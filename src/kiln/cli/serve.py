@@ -10,9 +10,9 @@ from rich.table import Table
 from rich.text import Text
 
 from kiln.cli.options import DEVICE_INDEX, JSON, QUIET
+from kiln.cli.output import Output, esc, plain, visible
 from kiln.cli.render import bucket_table, ms
 from kiln.errors import IncompatibleError, KilnError, VerificationError
-from kiln.output import Output, esc, plain, visible
 
 
 def _reported(exc: KilnError) -> KilnError:
@@ -52,7 +52,7 @@ def check_cmd(
     json_: bool = JSON,
 ) -> None:
     """Compare the baked fingerprint with this environment; exit 5 if caches would miss."""
-    from kiln.check import check
+    from kiln.compiler.check import check
 
     report = check(target, device_index=device_index)
 
@@ -86,7 +86,7 @@ def verify_cmd(
     quiet: bool = QUIET,
 ) -> None:
     """Run the grid in a fresh process against CACHE; exit 6 if anything compiled."""
-    from kiln.verify import verify
+    from kiln.compiler.verify import verify
 
     o = Output(json_, quiet)
     with o.progress() as sink:

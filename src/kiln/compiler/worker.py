@@ -2,9 +2,10 @@
 
 kiln never compiles in the caller's process. Torch reads its cache locations and much of its
 Inductor config from the environment at import time, and keeps in-memory caches that would turn
-a cold compile into a fake hit, so bake, verify and bench each start ``python -m kiln.worker``
-with exactly the environment they mean and read back what it did. The same loop serves all three
-so that "what bake compiled" and "what verify hit" are measured the same way.
+a cold compile into a fake hit, so bake, verify and bench each start
+``python -m kiln.compiler.worker`` with exactly the environment they mean and read back what it
+did. The same loop serves all three so that "what bake compiled" and "what verify hit" are
+measured the same way.
 
 Protocol: argv is ``REQUEST.json RESULT.json``; progress goes to stdout as JSON lines; the
 result (or the error) is written to RESULT.json; everything torch prints goes to stderr, which
@@ -28,7 +29,7 @@ import traceback
 from pathlib import Path
 from typing import Any
 
-from kiln.capture import AUTOTUNE_SUFFIXES, NATIVE_SUFFIXES, snapshot
+from kiln.compiler.capture import AUTOTUNE_SUFFIXES, NATIVE_SUFFIXES, snapshot
 from kiln.grid import Bucket, expand
 from kiln.spec import Spec, load_spec
 
@@ -462,7 +463,7 @@ def run(request: dict[str, Any]) -> dict[str, Any]:
 
     fp = None
     if request.get("fingerprint"):
-        from kiln.fingerprint import fingerprint
+        from kiln.compiler.fingerprint import fingerprint
 
         fp = fingerprint(spec.model.device, device_index=device_index)
     return {
@@ -488,7 +489,7 @@ def _precompiled(request: dict[str, Any], spec: Spec, model: Any) -> tuple[Any, 
     save, load = request.get("precompile_save"), request.get("precompile_load")
     if not (save or load):
         return None, None
-    from kiln.precompile import PrecompiledForward, unsupported_reason
+    from kiln.compiler.precompile import PrecompiledForward, unsupported_reason
 
     reason = unsupported_reason()
     if reason:

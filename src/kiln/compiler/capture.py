@@ -11,8 +11,8 @@ from __future__ import annotations
 import os
 from pathlib import Path, PurePosixPath
 
-from kiln.artifact import sha256_file
-from kiln.manifest import FileEntry
+from kiln.artifact.archive import sha256_file
+from kiln.artifact.manifest import FileEntry
 from kiln.serving import INDUCTOR_DIR, MEGACACHE_NAME, PRECOMPILED_NAME
 
 _SKIP_DIRS = frozenset({"locks", "__pycache__"})

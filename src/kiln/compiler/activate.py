@@ -19,10 +19,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
-from kiln.artifact import read_manifest
-from kiln.check import CheckReport, compare_manifest
+from kiln.artifact.archive import read_manifest
+from kiln.artifact.manifest import Manifest
+from kiln.compiler.check import CheckReport, compare_manifest
 from kiln.errors import IncompatibleError
-from kiln.manifest import Manifest
 from kiln.serving import cache_env
 
 log = logging.getLogger("kiln")
@@ -59,7 +59,7 @@ class Activation:
 
         kwargs = self.manifest.torch_kwargs()
         if self.manifest.precompiled:
-            from kiln.precompile import PrecompiledForward
+            from kiln.compiler.precompile import PrecompiledForward
 
             blob = (self.cache_dir / self.manifest.precompiled).read_bytes()
             try:
@@ -118,7 +118,7 @@ def activate(
 
     report = None
     if compat != "ignore":
-        from kiln.fingerprint import fingerprint
+        from kiln.compiler.fingerprint import fingerprint
 
         device = manifest.fingerprint.get("device.type", "cpu")
         report = compare_manifest(

@@ -1,4 +1,4 @@
-"""Starting ``kiln.worker`` in a fresh process with exactly the environment we mean.
+"""Starting ``kiln.compiler.worker`` in a fresh process with exactly the environment we mean.
 
 Inherited environment is the enemy of reproducible caches: a user's ``TORCHINDUCTOR_CACHE_DIR``
 would leak entries into a bake, a remote-cache switch would make a verify hit over the network.
@@ -86,7 +86,7 @@ def run_worker(
         with open(log, "wb") as err:
             spawned = time.time()
             proc = subprocess.Popen(
-                [sys.executable, "-m", "kiln.worker", str(req), str(res)],
+                [sys.executable, "-m", "kiln.compiler.worker", str(req), str(res)],
                 stdout=subprocess.PIPE,
                 stderr=err,
                 stdin=subprocess.DEVNULL,

@@ -15,12 +15,12 @@ from dataclasses import dataclass, field
 from pathlib import Path, PurePosixPath
 from typing import Any
 
-from kiln.artifact import read_manifest
-from kiln.check import CheckReport, compare_manifest
+from kiln.artifact.archive import read_manifest
+from kiln.artifact.manifest import BucketStats, Manifest
+from kiln.compiler.check import CheckReport, compare_manifest
+from kiln.compiler.launch import EventSink, run_worker
 from kiln.errors import NotFoundError
 from kiln.grid import expand, ordered
-from kiln.manifest import BucketStats, Manifest
-from kiln.runner import EventSink, run_worker
 from kiln.serving import INDUCTOR_DIR, cache_env
 from kiln.spec import Spec, load_spec
 

@@ -35,16 +35,16 @@ from typing import Any, BinaryIO
 
 import zstandard
 
-from kiln.artifact import (
+from kiln.artifact.archive import (
     MAX_MANIFEST_BYTES,
     open_tar_stream,
     parse_manifest,
     read_manifest_member,
 )
+from kiln.artifact.manifest import MANIFEST_NAME, FileEntry, Manifest, path_problem
+from kiln.artifact.storage import DEFAULT_TIMEOUT, check_timeout, fetch, is_remote, parse_digest
 from kiln.errors import IntegrityError, KilnError, UsageError
-from kiln.manifest import MANIFEST_NAME, FileEntry, Manifest, path_problem
 from kiln.serving import ENV_NAME, INDUCTOR_DIR, STATE_NAME, env_file_text
-from kiln.storage import DEFAULT_TIMEOUT, check_timeout, fetch, is_remote, parse_digest
 
 _CHUNK = 1 << 20
 _QUEUE = 16  # chunks in flight between the decompressing and the writing thread

@@ -223,7 +223,7 @@ def fetch(
             raise
         return Fetched(path, sha, size, downloaded=False, file=fh)
     if scheme not in _OPENERS:
-        import kiln.remote  # noqa: F401 - registers the optional-extra schemes
+        import kiln.artifact.storage.remote  # noqa: F401 - registers the optional-extra schemes
     opener = _OPENERS.get(scheme)
     if opener is None:
         raise UsageError(f"{source}: unsupported source scheme {scheme!r}")
@@ -471,7 +471,7 @@ def push(artifact: str | Path, dest: str) -> dict[str, str | int]:
             sha, size = _copy_hashing(fh, out, None, None)
         tmp.replace(target)
         return {"dest": str(target), "sha256": sha, "size": size}
-    from kiln.remote import PUSHERS
+    from kiln.artifact.storage.remote import PUSHERS
 
     pusher = PUSHERS.get(scheme)
     if pusher is None:

@@ -19,7 +19,7 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
-from kiln import __version__
+from kiln._version import __version__
 from kiln.serving import MANIFEST_NAME as MANIFEST_NAME  # re-exported: imported from here
 from kiln.serving import (
     MAX_NAME_LENGTH,

@@ -26,12 +26,12 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
-from kiln.artifact import sha256_file, source_date_epoch, write_artifact
-from kiln.capture import capture
+from kiln.artifact.archive import sha256_file, source_date_epoch, write_artifact
+from kiln.artifact.manifest import BucketStats, Manifest, PassStats
+from kiln.compiler.capture import capture
+from kiln.compiler.launch import EventSink, WorkerRun, run_worker
 from kiln.errors import UsageError
 from kiln.grid import Bucket, expand, rotations
-from kiln.manifest import BucketStats, Manifest, PassStats
-from kiln.runner import EventSink, WorkerRun, run_worker
 from kiln.serving import INDUCTOR_DIR, MEGACACHE_NAME, PRECOMPILED_NAME
 from kiln.spec import MAX_PASSES, Spec, load_spec
 

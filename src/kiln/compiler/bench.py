@@ -27,15 +27,15 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from kiln.bake import BakeResult, bake, serving_env
+from kiln.artifact.manifest import BucketStats
+from kiln.artifact.restore import restore
+from kiln.compiler.bake import BakeResult, bake, serving_env
+from kiln.compiler.launch import EventSink, WorkerRun, run_worker
+from kiln.compiler.verify import served_request
 from kiln.errors import UsageError
 from kiln.grid import expand, ordered
-from kiln.manifest import BucketStats
-from kiln.restore import restore
-from kiln.runner import EventSink, WorkerRun, run_worker
 from kiln.serving import INDUCTOR_DIR, MEGACACHE_NAME, cache_env
 from kiln.spec import Spec, load_spec, with_compile_threads
-from kiln.verify import served_request
 
 MODES = ("eager", "cold", "kiln", "megacache", "copied")
 # Opt-in: the restored folder *plus* the hot-loaded blob (kiln.activate's route), and kiln with

@@ -18,8 +18,7 @@ import urllib.parse
 from pathlib import Path
 from typing import IO, Any
 
-from kiln.errors import IntegrityError, KilnError, NotFoundError, UsageError
-from kiln.storage import (
+from kiln.artifact.storage import (
     ATTEMPTS,
     ByteSink,
     Deadline,
@@ -28,6 +27,7 @@ from kiln.storage import (
     register,
     scheme_of,
 )
+from kiln.errors import IntegrityError, KilnError, NotFoundError, UsageError
 
 # The artifact is a real image layer (tar+zstd): `COPY --from` and Kubernetes image volumes can use
 # it as is. The config blob is kiln's manifest, so a registry UI or `kiln inspect` can read the
@@ -294,7 +294,7 @@ def _copy_response(
 
 
 def _oci_push(src: Path, dest: str) -> dict[str, Any]:
-    from kiln.artifact import read_manifest
+    from kiln.artifact.archive import read_manifest
 
     oci = _need("oras.oci", "oci")
     host, ref = _oci_ref(dest)

@@ -22,8 +22,14 @@ from typing import IO, Any, BinaryIO
 import zstandard
 from pydantic import ValidationError
 
+from kiln.artifact.manifest import (
+    FORMAT_VERSION,
+    MANIFEST_NAME,
+    MAX_MANIFEST_BYTES,
+    Manifest,
+    folders_of,
+)
 from kiln.errors import IntegrityError, NotFoundError, UsageError
-from kiln.manifest import FORMAT_VERSION, MANIFEST_NAME, MAX_MANIFEST_BYTES, Manifest, folders_of
 
 SUFFIX = ".kiln.tar.zst"
 ZSTD_LEVEL = 6

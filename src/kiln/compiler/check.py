@@ -13,9 +13,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from kiln.artifact import read_manifest
-from kiln.fingerprint import Factor, compare, misses
-from kiln.manifest import Manifest
+from kiln.artifact.archive import read_manifest
+from kiln.artifact.manifest import Manifest
+from kiln.compiler.fingerprint import Factor, compare, misses
 
 
 @dataclass
@@ -67,7 +67,7 @@ def check(target: str | Path, *, device_index: int | None = None, keys: bool = T
 
     ``device_index`` is the CUDA index this process will serve on (default: the baked one, 0).
     """
-    from kiln.fingerprint import fingerprint
+    from kiln.compiler.fingerprint import fingerprint
 
     manifest = read_manifest(target)
     baked = manifest.fingerprint
