@@ -14,7 +14,6 @@ import hashlib
 import io
 import os
 import tarfile
-import tempfile
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import IO, Any, BinaryIO
@@ -30,6 +29,7 @@ from kiln.artifact.manifest import (
     folders_of,
 )
 from kiln.errors import IntegrityError, NotFoundError, UsageError
+from kiln.files import CHUNK, atomic_write
 
 SUFFIX = ".kiln.tar.zst"
 ZSTD_LEVEL = 6
@@ -40,7 +40,6 @@ ZSTD_THREADS = 2
 # follows a chain of them by recursion, so without a bound a 1 KB archive could ask for gigabytes
 # or overflow the stack.
 MAX_HEADER_BYTES = 64 << 10
-_CHUNK = 1 << 20
 # What tarfile may raise on malformed input besides TarError (a PAX number that does not parse,
 # an over-long header chain, ...): all of it means a corrupt archive, never a bug in kiln.
 _TAR_FAULTS = (
@@ -98,49 +97,33 @@ def write_artifact(
 ) -> tuple[str, int]:
     """Pack ``manifest.files`` (paths relative to ``root``) into ``out`` atomically.
 
-    Writes to a temporary file beside ``out`` and renames it into place only when complete, so
-    a crash or Ctrl-C never leaves a truncated artifact at ``out``. Returns (sha256, size).
+    Writes through :func:`kiln.files.atomic_write`, so a crash or Ctrl-C never leaves a
+    truncated artifact at ``out``. Returns (sha256, size).
     """
-    out = Path(out)
-    out.parent.mkdir(parents=True, exist_ok=True)
     mtime = source_date_epoch()
-    fd, tmp_name = tempfile.mkstemp(prefix=f".{out.name}.", suffix=".tmp", dir=out.parent)
-    tmp = Path(tmp_name)
-    try:
-        with os.fdopen(fd, "wb") as raw:
-            hashing = _HashingWriter(raw)
-            cctx = zstandard.ZstdCompressor(
-                level=ZSTD_LEVEL, threads=ZSTD_THREADS, write_checksum=True
-            )
-            with (
-                cctx.stream_writer(hashing, closefd=False) as zw,
-                tarfile.open(fileobj=zw, mode="w|", format=tarfile.PAX_FORMAT) as tar,
-            ):
-                body = manifest.to_bytes()
-                if len(body) > MAX_MANIFEST_BYTES:
-                    raise UsageError(
-                        f"{len(manifest.files)} files make a {len(body) >> 20} MiB manifest, "
-                        f"more than restore accepts ({MAX_MANIFEST_BYTES >> 20} MiB): "
-                        "bake fewer buckets per artifact"
-                    )
-                tar.addfile(_tarinfo(MANIFEST_NAME, len(body), mtime), io.BytesIO(body))
-                for entry in sorted(manifest.files, key=lambda e: e.path):
-                    src = root / entry.path
-                    with open(src, "rb") as fh:
-                        reader = _CheckedReader(fh, entry.path, entry.size, entry.sha256)
-                        tar.addfile(_tarinfo(entry.path, entry.size, mtime), reader)
-                        reader.finish()
-                    if on_bytes:
-                        on_bytes(entry.size)
-            raw.flush()
-            os.fsync(raw.fileno())
-        umask = os.umask(0)
-        os.umask(umask)
-        tmp.chmod(0o666 & ~umask)  # mkstemp made it 0600; an artifact is meant to be shared
-        os.replace(tmp, out)
-    except BaseException:
-        tmp.unlink(missing_ok=True)
-        raise
+    with atomic_write(out) as raw:
+        hashing = _HashingWriter(raw)
+        cctx = zstandard.ZstdCompressor(level=ZSTD_LEVEL, threads=ZSTD_THREADS, write_checksum=True)
+        with (
+            cctx.stream_writer(hashing, closefd=False) as zw,
+            tarfile.open(fileobj=zw, mode="w|", format=tarfile.PAX_FORMAT) as tar,
+        ):
+            body = manifest.to_bytes()
+            if len(body) > MAX_MANIFEST_BYTES:
+                raise UsageError(
+                    f"{len(manifest.files)} files make a {len(body) >> 20} MiB manifest, "
+                    f"more than restore accepts ({MAX_MANIFEST_BYTES >> 20} MiB): "
+                    "bake fewer buckets per artifact"
+                )
+            tar.addfile(_tarinfo(MANIFEST_NAME, len(body), mtime), io.BytesIO(body))
+            for entry in sorted(manifest.files, key=lambda e: e.path):
+                src = root / entry.path
+                with open(src, "rb") as fh:
+                    reader = _CheckedReader(fh, entry.path, entry.size, entry.sha256)
+                    tar.addfile(_tarinfo(entry.path, entry.size, mtime), reader)
+                    reader.finish()
+                if on_bytes:
+                    on_bytes(entry.size)
     return hashing.sha.hexdigest(), hashing.size
 
 
@@ -168,7 +151,7 @@ class _CheckedReader:
 def sha256_file(path: Path, on_bytes: Callable[[int], None] | None = None) -> str:
     h = hashlib.sha256()
     with open(path, "rb") as fh:
-        while chunk := fh.read(_CHUNK):
+        while chunk := fh.read(CHUNK):
             h.update(chunk)
             if on_bytes:
                 on_bytes(len(chunk))

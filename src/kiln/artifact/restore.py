@@ -44,9 +44,9 @@ from kiln.artifact.archive import (
 from kiln.artifact.manifest import MANIFEST_NAME, FileEntry, Manifest, path_problem
 from kiln.artifact.storage import DEFAULT_TIMEOUT, check_timeout, fetch, is_remote, parse_digest
 from kiln.errors import IntegrityError, KilnError, UsageError
+from kiln.files import CHUNK, atomic_write
 from kiln.serving import ENV_NAME, INDUCTOR_DIR, STATE_NAME, env_file_text
 
-_CHUNK = 1 << 20
 _QUEUE = 16  # chunks in flight between the decompressing and the writing thread
 _HEADROOM = 1 << 20
 
@@ -438,7 +438,7 @@ class _HashingReader:
         return n
 
     def finish(self) -> str:
-        while chunk := self._fh.read(_CHUNK):
+        while chunk := self._fh.read(CHUNK):
             self._h.update(chunk)
         return self._h.hexdigest()
 
@@ -485,10 +485,8 @@ def _write_env_copy(dest: Path, env_file: str | Path | None) -> Path:
     if env_file is None:
         return dest / ENV_NAME
     target = Path(env_file).absolute()
-    target.parent.mkdir(parents=True, exist_ok=True)
-    tmp = target.with_name(f".{target.name}.tmp")
-    shutil.copyfile(dest / ENV_NAME, tmp)
-    tmp.replace(target)
+    with open(dest / ENV_NAME, "rb") as src, atomic_write(target) as out:
+        shutil.copyfileobj(src, out, CHUNK)
     return target
 
 
@@ -639,7 +637,7 @@ def _extract(fh: Any, tree: Path, emit: Sink) -> Manifest:
                 src = tar.extractfile(member)
                 assert src is not None
                 writer.begin(tree / name, entry)
-                while chunk := src.read(_CHUNK):
+                while chunk := src.read(CHUNK):
                     writer.write(chunk)
                 writer.end()
                 done += entry.size

@@ -10,7 +10,6 @@ torch's own reason if anything compiled. ``--ready-file`` is written only on suc
 from __future__ import annotations
 
 import json
-import os
 from dataclasses import dataclass, field
 from pathlib import Path, PurePosixPath
 from typing import Any
@@ -20,6 +19,7 @@ from kiln.artifact.manifest import BucketStats, Manifest
 from kiln.compiler.check import CheckReport, compare_manifest
 from kiln.compiler.launch import EventSink, run_worker
 from kiln.errors import NotFoundError
+from kiln.files import atomic_write
 from kiln.grid import expand, ordered
 from kiln.serving import INDUCTOR_DIR, cache_env
 from kiln.spec import Spec, load_spec
@@ -155,10 +155,8 @@ def verify(
     if ready_file is not None:
         ready = Path(ready_file)
         if report.ok:
-            ready.parent.mkdir(parents=True, exist_ok=True)
-            tmp = ready.with_name(f".{ready.name}.tmp")
-            tmp.write_text(json.dumps(report.to_dict(), indent=2))
-            os.replace(tmp, ready)
+            with atomic_write(ready) as fh:
+                fh.write(json.dumps(report.to_dict(), indent=2).encode())
         else:
             ready.unlink(missing_ok=True)
     return report
