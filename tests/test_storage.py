@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import hashlib
 import json
+import subprocess
+import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -17,7 +19,8 @@ import pytest
 import kiln
 from kiln.errors import IntegrityError, KilnError, NotFoundError, UsageError
 from tests.archives import good_archive
-from tests.servers import gcs_server, oci_registry, s3_server
+from tests.conftest import ROOT
+from tests.servers import gcs_server, oci_registry, s3_server, scripted_http
 
 FILES = {"inductor/fxgraph/a/entry": b"A" * 5000, "inductor/xy/k.py": b"print(1)\n"}
 
@@ -77,9 +80,9 @@ def test_object_store_push_and_restore_round_trip(
     env = request.getfixturevalue(env_fixture)
     art = good_archive(tmp_path / "a.kiln.tar.zst", FILES)
     pushed = kiln.push(art, f"{scheme}://kiln/artifacts/")
-    assert pushed["dest"] == f"{scheme}://kiln/artifacts/a.kiln.tar.zst"
-    assert pushed["sha256"] == sha(art)
-    result = kiln.restore(pushed["dest"], tmp_path / "cache", sha256=pushed["sha256"])
+    assert pushed.dest == f"{scheme}://kiln/artifacts/a.kiln.tar.zst"
+    assert pushed.sha256 == sha(art)
+    result = kiln.restore(pushed.dest, tmp_path / "cache", sha256=pushed.sha256)
     assert result.sha256 == sha(art)
     assert (tmp_path / "cache/inductor/xy/k.py").read_bytes() == FILES["inductor/xy/k.py"]
     with pytest.raises(NotFoundError):
@@ -112,12 +115,12 @@ def test_oci_pushes_the_same_bytes_and_digest_twice(tmp_path: Path, registry: st
     art = good_archive(tmp_path / "a.kiln.tar.zst", FILES)
     first = kiln.push(art, f"oci://{registry}/kiln/twice:a")
     second = kiln.push(art, f"oci://{registry}/kiln/twice:b")
-    assert first["manifest_digest"] == second["manifest_digest"]
+    assert first.manifest_digest == second.manifest_digest
     fetched = tmp_path / "fetched"
     fetched.mkdir()
     from kiln.artifact.storage import fetch
 
-    with fetch(first["pinned"], fetched) as got:
+    with fetch(first.pinned, fetched) as got:
         assert got.path.read_bytes() == art.read_bytes()
         assert got.file.read() == art.read_bytes()
 
@@ -131,7 +134,7 @@ def test_oci_errors(tmp_path: Path, registry: str) -> None:
     with pytest.raises((IntegrityError, NotFoundError)):
         kiln.restore(f"oci://{registry}/kiln/pin@{wrong}", tmp_path / "d")
     with pytest.raises(IntegrityError):
-        kiln.restore(pushed["pinned"], tmp_path / "e", sha256="1" * 64)
+        kiln.restore(pushed.pinned, tmp_path / "e", sha256="1" * 64)
     assert not (tmp_path / "e").exists()
     with pytest.raises(UsageError):
         kiln.restore(f"oci://{registry}", tmp_path / "f")
@@ -157,7 +160,7 @@ def test_remote_fetches_keep_the_deadline(
     art = good_archive(tmp_path / "a.kiln.tar.zst", FILES)
     url = f"oci://{value}/kiln/deadline:v1" if scheme == "oci" else f"{scheme}://kiln/deadline/"
     pushed = kiln.push(art, url)
-    source = pushed["pinned"] if scheme == "oci" else pushed["dest"]
+    source = pushed.pinned if scheme == "oci" else pushed.dest
 
     def stall(event: dict) -> None:
         if event["event"] == "fetched":
@@ -165,4 +168,70 @@ def test_remote_fetches_keep_the_deadline(
 
     with pytest.raises(KilnError, match=r"did not finish within --timeout 1s"):
         kiln.restore(source, tmp_path / "c", timeout=1, on_event=stall)
+    assert not (tmp_path / "c").exists()
+
+
+# --- backends: one Store each, imported only when their scheme is used -----------------------
+
+# What a slim init container that restores from plain files or http(s) does not have.
+EXTRAS = ("fsspec", "s3fs", "gcsfs", "boto3", "botocore", "oras", "requests", "urllib3")
+
+
+def run_without_extras(code: str) -> subprocess.CompletedProcess[str]:
+    """Run ``code`` in a fresh interpreter where torch and every storage extra is unimportable."""
+    blocked = ("torch", "triton", *EXTRAS)
+    prelude = f"import sys\nfor m in {blocked!r}: sys.modules[m] = None\n"
+    return subprocess.run(
+        [sys.executable, "-c", prelude + code],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        cwd=ROOT,
+        env={"PYTHONPATH": str(ROOT / "src"), "NO_COLOR": "1", "PATH": "/usr/bin:/bin"},
+    )
+
+
+LOADED = "print(sorted(m for m in sys.modules if m.startswith('kiln.artifact.storage.')))"
+
+
+def test_every_scheme_resolves_to_a_store_without_its_extra() -> None:
+    """The static table names real Store classes, and no backend module imports its client (or
+    another backend) at import time: the table can be resolved in a slim image."""
+    code = (
+        "from kiln.artifact.storage import BACKENDS, Store, backend\n"
+        "for scheme in BACKENDS:\n"
+        "    assert isinstance(backend(scheme), Store), scheme\n"
+        "assert backend('ftp') is None\n" + LOADED
+    )
+    proc = run_without_extras(code)
+    assert proc.returncode == 0, proc.stderr
+    modules = ["base", "cloud", "file", "http", "oci"]
+    assert proc.stdout.strip() == str([f"kiln.artifact.storage.{m}" for m in modules])
+
+
+def test_restore_imports_only_the_backend_of_its_scheme(tmp_path: Path) -> None:
+    art = good_archive(tmp_path / "a.kiln.tar.zst", FILES)
+    restore = "from kiln.artifact.restore import restore\nrestore({!r}, {!r})\n"
+    proc = run_without_extras(restore.format(str(art), str(tmp_path / "c1")) + LOADED)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.strip() == str(["kiln.artifact.storage.base", "kiln.artifact.storage.file"])
+    with scripted_http(lambda x: x.body(art.read_bytes())) as url:
+        code = restore.format(f"{url}/a.kiln.tar.zst", str(tmp_path / "c2")) + LOADED
+        proc = run_without_extras(code)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.strip() == str(["kiln.artifact.storage.base", "kiln.artifact.storage.http"])
+    assert (tmp_path / "c2/inductor/xy/k.py").read_bytes() == FILES["inductor/xy/k.py"]
+
+
+@pytest.mark.parametrize(
+    ("source", "extra"),
+    [("s3://kiln/a.kiln.tar.zst", "s3"), ("gs://kiln/a", "gcs"), ("oci://r.io/kiln/a:v1", "oci")],
+)
+def test_a_missing_extra_is_one_line_and_exit_2(tmp_path: Path, source: str, extra: str) -> None:
+    code = f"sys.argv = ['kiln', 'restore', {source!r}, '--dest', {str(tmp_path / 'c')!r}]\n"
+    proc = run_without_extras(code + "from kiln.cli import main\nmain()")
+    assert proc.returncode == 2, proc.stderr
+    assert proc.stderr.strip() == (
+        f"kiln: error: this source needs the {extra!r} extra: pip install 'torch-kiln[{extra}]'"
+    )
     assert not (tmp_path / "c").exists()

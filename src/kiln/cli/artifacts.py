@@ -87,5 +87,5 @@ def push_cmd(
 
     result = push(artifact, dest)
     Output(json_).emit(
-        result, lambda c: c.print(f"pushed {esc(result['dest'])}\nsha256 {result['sha256']}")
+        result.summary(), lambda c: c.print(f"pushed {esc(result.dest)}\nsha256 {result.sha256}")
     )
