@@ -96,6 +96,28 @@ def test_object_store_push_and_restore_round_trip(
     assert (tmp_path / "c3/inductor/xy/k.py").read_bytes() == FILES["inductor/xy/k.py"]
 
 
+def test_push_to_a_folder_keeps_the_file_name(tmp_path: Path, cli) -> None:
+    """A destination ending in / is a folder, created if missing (issue 17, item 7b: it used to
+    become a file named `newdir`); so is an existing folder; anything else is the file name."""
+    art = good_archive(tmp_path / "a.kiln.tar.zst", FILES)
+    cases = {
+        "newdir/": tmp_path / "newdir/a.kiln.tar.zst",
+        "deep/er/": tmp_path / "deep/er/a.kiln.tar.zst",
+        f"file://{tmp_path}/viaurl/": tmp_path / "viaurl/a.kiln.tar.zst",
+        "newdir": tmp_path / "newdir/a.kiln.tar.zst",  # exists now: a folder without the /
+        "renamed.kiln.tar.zst": tmp_path / "renamed.kiln.tar.zst",
+    }
+    for dest, expected in cases.items():
+        proc = cli("push", art, dest, "--json", no_torch=True)
+        assert proc.returncode == 0, proc.stderr
+        pushed = json.loads(proc.stdout)
+        assert set(pushed) == {"dest", "sha256", "size"}
+        assert tmp_path / pushed["dest"] == expected  # the CLI ran in tmp_path
+        assert pushed["sha256"] == sha(expected) == sha(art)
+        assert expected.is_file()
+    assert sorted(p.name for p in (tmp_path / "newdir").iterdir()) == ["a.kiln.tar.zst"]
+
+
 def test_oci_push_by_tag_restore_by_digest(tmp_path: Path, registry: str, cli) -> None:
     art = good_archive(tmp_path / "a.kiln.tar.zst", FILES)
     proc = cli("push", art, f"oci://{registry}/kiln/demo:v1", "--json", no_torch=True)

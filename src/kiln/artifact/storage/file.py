@@ -82,9 +82,11 @@ class FileStore(Store):
             return copy_hashing(fh.read, into, total=total, on_bytes=on_bytes)
 
     def push(self, src: Path, url: str) -> PushResult:
-        """Copy ``src`` to ``url`` atomically; into an existing folder, under its own name."""
+        """Copy ``src`` to ``url`` atomically. A destination ending in ``/``, or an existing
+        folder, is a folder: it is created if needed and the artifact keeps its own name in
+        it (as ``s3://bucket/prefix/`` does), rather than becoming a file named after it."""
         target = local_path(url)
-        if target.is_dir():
+        if url.endswith("/") or target.is_dir():
             target = target / src.name
         with open(src, "rb") as fh, atomic_write(target) as out:
             sha, size = copy_hashing(fh.read, out)
