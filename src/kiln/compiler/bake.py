@@ -9,7 +9,7 @@ Autotuning modes get the same treatment: with coordinate-descent tuning, a fresh
 reads the tuned configs back rebuilds Triton kernels the first pass never compiled under those
 exact options (measured on the H200, torch 2.11), so a second pass writes them into the cache.
 The first pass compiles with Inductor's worker pool; later passes load as a server will, with
-the spec's serving arguments (:meth:`~kiln.spec.CompileSpec.torch_kwargs`).
+the spec's serving arguments (:func:`kiln.serving.torch_kwargs`).
 """
 
 from __future__ import annotations
@@ -32,7 +32,14 @@ from kiln.compiler.capture import capture
 from kiln.compiler.launch import EventSink, WorkerRun, run_worker
 from kiln.errors import UsageError
 from kiln.grid import Bucket, expand, rotations
-from kiln.serving import INDUCTOR_DIR, MEGACACHE_NAME, PRECOMPILED_NAME
+from kiln.serving import (
+    INDUCTOR_DIR,
+    MEGACACHE_NAME,
+    PRECOMPILED_NAME,
+    cold_torch_kwargs,
+    compile_env,
+    torch_kwargs,
+)
 from kiln.spec import MAX_PASSES, Spec, load_spec
 
 MAX_AUTO_PASSES = 4
@@ -63,18 +70,6 @@ class BakeResult:
         }
 
 
-def serving_env(spec: Spec) -> dict[str, str]:
-    """Environment the bake compiles under and every serving process must share.
-
-    For automatic/dynamic shapes we pin ``TORCH_COMPILE_JOB_ID`` so the PGO profile torch writes
-    during the bake is the one a pod reads back (it is keyed by job id), unless the spec chose one.
-    """
-    env = spec.compile_env()
-    if spec.compile.dynamic is not False:
-        env.setdefault("TORCH_COMPILE_JOB_ID", f"kiln-{spec.name}")
-    return env
-
-
 def bake(
     spec: Spec | str | Path,
     out: str | Path,
@@ -89,7 +84,7 @@ def bake(
     """
     spec = spec if isinstance(spec, Spec) else load_spec(spec)
     out = Path(out)
-    env = serving_env(spec)  # its keys passed kiln.serving.env_key_problem when the spec parsed
+    env = compile_env(spec)
     buckets = expand(spec)
     if not buckets:
         raise UsageError("the grid is empty after `exclude`")
@@ -124,9 +119,9 @@ def bake(
                     "order": keys,
                     # The first pass compiles from nothing (in parallel); every later pass is a
                     # fresh process loading what it left, exactly as a server will.
-                    "torch_kwargs": spec.compile.cold_torch_kwargs()
+                    "torch_kwargs": cold_torch_kwargs(spec.compile)
                     if i == 0
-                    else spec.compile.torch_kwargs(),
+                    else torch_kwargs(spec.compile),
                     "calls": spec.warmup.calls,
                     "cache_root": str(root),
                     "megacache_save": str(work / MEGACACHE_NAME) if i == 0 else None,
@@ -226,7 +221,7 @@ def _manifest(
         files=files,
         megacache=MEGACACHE_NAME if any(f.path == MEGACACHE_NAME for f in files) else None,
         precompiled=PRECOMPILED_NAME if any(f.path == PRECOMPILED_NAME for f in files) else None,
-        compile_kwargs=spec.compile.torch_kwargs(),
+        compile_kwargs=torch_kwargs(spec.compile),
         warnings=_unsettled(runs, pass_stats),
     )
 

@@ -29,13 +29,20 @@ from typing import Any
 
 from kiln.artifact.manifest import BucketStats
 from kiln.artifact.restore import restore
-from kiln.compiler.bake import BakeResult, bake, serving_env
+from kiln.compiler.bake import BakeResult, bake
 from kiln.compiler.launch import EventSink, WorkerRun, run_worker
 from kiln.compiler.verify import served_request
 from kiln.errors import UsageError
 from kiln.grid import expand, ordered
-from kiln.serving import INDUCTOR_DIR, MEGACACHE_NAME, cache_env
-from kiln.spec import Spec, load_spec, with_compile_threads
+from kiln.serving import (
+    INDUCTOR_DIR,
+    MEGACACHE_NAME,
+    cache_env,
+    cold_torch_kwargs,
+    compile_env,
+    with_compile_threads,
+)
+from kiln.spec import Spec, load_spec
 
 MODES = ("eager", "cold", "kiln", "megacache", "copied")
 # Opt-in: the restored folder *plus* the hot-loaded blob (kiln.activate's route), and kiln with
@@ -173,7 +180,7 @@ def bench(
     work = Path(workdir) if workdir else Path(tempfile.mkdtemp(prefix=f"kiln-bench-{spec.name}-"))
     work.mkdir(parents=True, exist_ok=True)
     keys = [b.key for b in ordered(expand(spec), order, seed)]
-    env = serving_env(spec)
+    env = compile_env(spec)
     try:
         emit({"event": "mode", "mode": "bake"})
         baked: BakeResult = bake(
@@ -223,7 +230,7 @@ def bench(
                 {**env, "TORCHINDUCTOR_CACHE_DIR": str(stock_root)},
                 cache_root=str(stock_root),
                 megacache_save=str(stock_blob),
-                torch_kwargs=spec.compile.cold_torch_kwargs(),
+                torch_kwargs=cold_torch_kwargs(spec.compile),
             )
             results["cold"] = _mode("cold", r, "plain torch.compile, empty cache")
             if cold_run:

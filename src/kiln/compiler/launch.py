@@ -22,20 +22,11 @@ from pathlib import Path
 from typing import Any
 
 from kiln.errors import IncompatibleError, KilnError
-from kiln.serving import is_cache_location
+from kiln.serving import worker_env
 from kiln.spec import Spec, error_at
 
 Event = dict[str, Any]
 EventSink = Callable[[Event], None]
-
-
-def worker_env(extra: dict[str, str]) -> dict[str, str]:
-    env = {k: v for k, v in os.environ.items() if not is_cache_location(k)}
-    src = str(Path(__file__).resolve().parent.parent)
-    env["PYTHONPATH"] = os.pathsep.join(p for p in (src, env.get("PYTHONPATH", "")) if p)
-    env["PYTHONUNBUFFERED"] = "1"
-    env.update(extra)
-    return env
 
 
 @dataclass

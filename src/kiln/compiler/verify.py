@@ -21,7 +21,7 @@ from kiln.compiler.check import CheckReport, compare_manifest
 from kiln.compiler.launch import EventSink, run_worker
 from kiln.errors import NotFoundError
 from kiln.grid import expand, ordered
-from kiln.serving import INDUCTOR_DIR, cache_env
+from kiln.serving import INDUCTOR_DIR, cache_env, served_torch_kwargs
 from kiln.spec import Spec, load_spec
 
 
@@ -100,7 +100,7 @@ def served_request(cache: Path, manifest: Manifest) -> dict[str, Any]:
     return {
         "cache_root": str(cache / INDUCTOR_DIR),
         "precompile_load": str(cache / manifest.precompiled) if manifest.precompiled else None,
-        "torch_kwargs": manifest.torch_kwargs(),
+        "torch_kwargs": served_torch_kwargs(manifest),
     }
 
 

@@ -31,6 +31,7 @@ from typing import Any
 
 from kiln.compiler.capture import AUTOTUNE_SUFFIXES, NATIVE_SUFFIXES, snapshot
 from kiln.grid import Bucket, expand
+from kiln.serving import torch_kwargs
 from kiln.spec import Spec, load_spec
 
 _START = time.time()
@@ -481,7 +482,7 @@ def run(request: dict[str, Any]) -> dict[str, Any]:
 
 def _torch_kwargs(request: dict[str, Any], spec: Spec) -> dict[str, Any]:
     """What the caller asked for (a bake pass, or what the artifact recorded), else the spec's."""
-    return request.get("torch_kwargs") or spec.compile.torch_kwargs()
+    return request.get("torch_kwargs") or torch_kwargs(spec.compile)
 
 
 def _precompiled(request: dict[str, Any], spec: Spec, model: Any) -> tuple[Any, float | None]:
