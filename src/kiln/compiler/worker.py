@@ -299,7 +299,7 @@ def run(request: WorkerRequest) -> WorkerResult:
         megacache=MegacacheInfo(
             loaded=loaded.loaded,
             saved=saved.saved,
-            entries=saved.entries if saved.saved is not None else loaded.entries,
+            entries=saved.entries if saved.saved else loaded.entries,
         ),
         fingerprint=_fingerprint(request, spec),
     )
