@@ -148,11 +148,14 @@ def test_launch_relays_events_and_sends_heartbeats_while_the_worker_is_silent() 
     with proc.stdout:
         relay_events(proc.stdout, events.append, heartbeat_s=0.2)
     assert proc.wait() == 0
-    assert events[0] == BucketStarted(phase="first", index=0, key="batch=2")
-    assert events[-1] == BucketDone(phase="first", index=0, key="batch=2", seconds=0.6)
-    beats = [e for e in events if isinstance(e, Heartbeat)]
-    assert 2 <= len(beats) <= 4 and len(events) == len(beats) + 2
-    assert {b.what for b in beats} == {"batch=2: first call"}
+    relayed = [e for e in events if not isinstance(e, Heartbeat)]
+    assert relayed == [  # the line that is no event is skipped
+        BucketStarted(phase="first", index=0, key="batch=2"),
+        BucketDone(phase="first", index=0, key="batch=2", seconds=0.6),
+    ]
+    # (A child slow to start on a loaded machine may add start-up beats before the bucket.)
+    beats = events[events.index(relayed[0]) + 1 : events.index(relayed[1])]
+    assert len(beats) >= 2 and {b.what for b in beats} == {"batch=2: first call"}
     assert beats[-1].elapsed_s >= 0.5
 
 
