@@ -35,6 +35,9 @@ def test_bench_modes_and_ratios(write_spec, cli, tmp_path: Path) -> None:
     )
     assert human.returncode == 0, human.stderr[-2000:]
     assert "time to ready" in human.stdout and "kiln-blob" in human.stdout
+    # Piped progress says which mode and which run each line belongs to (issue 17 item 4).
+    assert "bench: bake" in human.stderr and "bench: kiln-blob 2/2" in human.stderr
+    assert "  kiln-serial 1/2 · batch=2: start (" in human.stderr
     both = json.loads(saved.read_text())
     assert set(both["modes"]) == {"kiln", "kiln-blob", "kiln-serial"}
     # kiln-serial compiles with options instead of mode, plus compile_threads: same cache entries.

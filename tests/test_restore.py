@@ -246,7 +246,7 @@ def test_restore_over_http(tmp_path: Path, http_server: str) -> None:
         f"{http_server}/a.kiln.tar.zst", tmp_path / "cache", sha256=digest, on_event=events.append
     )
     assert result.sha256 == digest
-    assert any(e["event"] == "fetched" and e["total"] == art.stat().st_size for e in events)
+    assert any(e.event == "fetched" and e.total == art.stat().st_size for e in events)
     with pytest.raises(NotFoundError, match="404"):
         restore(f"{http_server}/missing.kiln.tar.zst", tmp_path / "cache2")
     with pytest.raises(IntegrityError):

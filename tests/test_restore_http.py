@@ -16,6 +16,7 @@ import pytest
 
 from kiln.artifact.restore import restore
 from kiln.errors import IntegrityError, KilnError, UsageError
+from kiln.events import Event
 from tests.archives import good_archive
 from tests.servers import Exchange, scripted_http, self_signed_tls
 
@@ -209,8 +210,8 @@ def test_registry_redirect_to_another_scheme_is_refused(tmp_path: Path) -> None:
 
 
 def test_deadline_is_checked_between_chunks(tmp_path: Path, artifact: bytes) -> None:
-    def slow_consumer(event: dict) -> None:
-        if event["event"] == "fetched":
+    def slow_consumer(event: Event) -> None:
+        if event.event == "fetched":
             time.sleep(1.2)
 
     with (

@@ -23,6 +23,7 @@ import pytest
 
 from kiln.artifact.restore import restore
 from kiln.errors import IntegrityError, NotFoundError, UsageError
+from kiln.events import Event
 from kiln.serving import STATE_NAME
 from tests.archives import good_archive
 
@@ -58,12 +59,12 @@ def installed(tmp_path: Path) -> Path:
     return dest
 
 
-def on(kind: str, when: Callable[[dict], bool], action: Callable[[], None]) -> Callable:
+def on(kind: str, when: Callable[[Event], bool], action: Callable[[], None]) -> Callable:
     """A progress sink that runs ``action`` once, at the first ``kind`` event ``when`` accepts."""
     fired: list[bool] = []
 
-    def sink(event: dict) -> None:
-        if not fired and event["event"] == kind and when(event):
+    def sink(event: Event) -> None:
+        if not fired and event.event == kind and when(event):
             fired.append(True)
             action()
 
@@ -178,7 +179,7 @@ def test_restore_into_c_star_beside_a_running_restore_into_cache(tmp_path: Path)
         wait_for(staging_of(tmp_path, "cache") / "tree" / first, len(a[first]))
         restore(art_b, tmp_path / "c*")
 
-    sink = on("extract", lambda e: e["bytes"] > 0, beside)
+    sink = on("extract", lambda e: e.bytes > 0, beside)
     result = restore(art_a, tmp_path / "cache", on_event=sink)
     assert not result.noop
     assert payload(tmp_path / "cache") == a
@@ -218,7 +219,7 @@ def test_partial_stage_is_never_swapped_in(tmp_path: Path, installed: Path, muta
         mutate(staged)
 
     total = sum(map(len, files.values()))
-    sink = on("extract", lambda e: e["bytes"] == total, interfere)
+    sink = on("extract", lambda e: e.bytes == total, interfere)
     with pytest.raises(IntegrityError, match="staged tree does not match the manifest"):
         restore(art, installed, on_event=sink)
     assert tree(installed) == before

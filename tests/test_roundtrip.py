@@ -15,6 +15,7 @@ import kiln
 from kiln.artifact.manifest import BucketStats
 from kiln.compiler.verify import explain
 from kiln.errors import KilnError
+from kiln.serving import served_torch_kwargs, torch_kwargs
 from tests.conftest import MODELS, mlp_spec
 
 pytestmark = pytest.mark.slow
@@ -92,11 +93,11 @@ def test_verify_fails_with_exit_6_on_a_cold_cache(baked, tmp_path: Path, cli) ->
 def test_serving_passes_the_kwargs_the_bake_recorded(baked) -> None:
     spec_path, result = baked
     m = result.manifest
-    assert m.compile_kwargs == kiln.load_spec(spec_path).compile.torch_kwargs()
+    assert m.compile_kwargs == torch_kwargs(kiln.load_spec(spec_path).compile)
     recorded = m.model_copy(update={"compile_kwargs": {**m.compile_kwargs, "fullgraph": True}})
-    assert recorded.torch_kwargs()["fullgraph"] is True  # what was baked, not re-derived
+    assert served_torch_kwargs(recorded)["fullgraph"] is True  # what was baked, not re-derived
     older = m.model_copy(update={"compile_kwargs": None})  # an artifact from before the field
-    assert older.torch_kwargs() == m.compile_kwargs
+    assert served_torch_kwargs(older) == m.compile_kwargs
 
 
 def test_explain_tells_a_key_miss_from_kernel_rebuilds() -> None:

@@ -12,7 +12,8 @@ from pathlib import Path
 import pytest
 
 from kiln.errors import SpecError
-from kiln.spec import MODE_OPTIONS, RANDINT_RANGE, load_spec
+from kiln.serving import MODE_OPTIONS, cold_torch_kwargs, torch_kwargs
+from kiln.spec import RANDINT_RANGE, load_spec
 from tests.conftest import mlp_spec
 
 
@@ -26,7 +27,7 @@ def error_of(write_spec, text: str) -> str:
 def test_valid_spec_loads(write_spec) -> None:
     spec = load_spec(write_spec(mlp_spec()))
     assert spec.name == "tiny-mlp"
-    assert spec.compile.torch_kwargs() == {
+    assert torch_kwargs(spec.compile) == {
         "backend": "inductor",
         "dynamic": False,
         "fullgraph": False,
@@ -101,7 +102,7 @@ def test_precompile_needs_fullgraph(write_spec) -> None:
     ok = load_spec(
         write_spec(text.replace("precompile: true", "precompile: true\n  fullgraph: true"))
     )
-    assert ok.compile.precompile and "precompile" not in ok.compile.torch_kwargs()
+    assert ok.compile.precompile and "precompile" not in torch_kwargs(ok.compile)
 
 
 def test_mode_table_matches_torch() -> None:
@@ -138,12 +139,12 @@ def test_autotuning_specs_load_tuned_kernels_in_process(
 ) -> None:
     text = mlp_spec().replace("  dynamic: false", "  dynamic: false\n" + compile_lines)
     spec = load_spec(write_spec(text))
-    kwargs = spec.compile.torch_kwargs()
+    kwargs = torch_kwargs(spec.compile)
     assert spec.compile.autotunes is (options is not None)
     assert spec.compile.cudagraphs is ("reduce-overhead" in compile_lines)
     assert kwargs.get("options") == options
     assert ("mode" in kwargs) is (options is None)
-    cold = spec.compile.cold_torch_kwargs()
+    cold = cold_torch_kwargs(spec.compile)
     # A cold compile keeps the worker pool unless the spec itself limits it.
     assert cold.get("options", {}).get("compile_threads") == (
         4 if "compile_threads: 4" in compile_lines else None

@@ -25,6 +25,7 @@ from hypothesis import strategies as st
 
 from kiln.errors import ExitCode, SpecError
 from kiln.grid import expand
+from kiln.serving import torch_kwargs
 from kiln.spec import Spec, parse_spec
 from tests.conftest import mlp_spec
 
@@ -68,7 +69,7 @@ def check(text: str) -> Spec | None:
         assert 1 <= len(expand(spec)) <= 4096 or spec.exclude
         spec.sha256()
         spec.compile_env()
-        spec.compile.torch_kwargs()
+        torch_kwargs(spec.compile)
         return spec
 
 

@@ -18,6 +18,7 @@ import pytest
 
 import kiln
 from kiln.errors import IntegrityError, KilnError, NotFoundError, UsageError
+from kiln.events import Event
 from tests.archives import good_archive
 from tests.conftest import ROOT
 from tests.servers import gcs_server, oci_registry, s3_server, scripted_http
@@ -184,8 +185,8 @@ def test_remote_fetches_keep_the_deadline(
     pushed = kiln.push(art, url)
     source = pushed.pinned if scheme == "oci" else pushed.dest
 
-    def stall(event: dict) -> None:
-        if event["event"] == "fetched":
+    def stall(event: Event) -> None:
+        if event.event == "fetched":
             time.sleep(1.1)
 
     with pytest.raises(KilnError, match=r"did not finish within --timeout 1s"):

@@ -1,19 +1,35 @@
-"""What a serving process needs from a restored folder: where things are and which environment.
+"""What a compiling or serving process needs: the folder layout, its environment, its arguments.
 
 One definition, shared by the bake (which compiles under it), restore (which writes ``kiln.env``),
 ``kiln.activate()``, verify and bench (which serve under it), so the no-code route and the proof
-cannot drift apart. It is also kiln's trust rule for environment variables: an artifact comes
-from elsewhere, and ``kiln.env`` is sourced by a shell in the pod, so the environment a manifest
-may set is an allow-list of variables that change *compiled code*, never ones that move cache
-locations, point at programs or libraries, or reach a remote cache. Torch-free.
+cannot drift apart:
+
+- the layout of an artifact and of a restored folder (``INDUCTOR_DIR``, ``MEGACACHE_NAME``…);
+- the environment: what a bake compiles under (:func:`compile_env`), what every kiln worker
+  process starts with (:func:`worker_env`), what a serving process needs (:func:`cache_env`);
+- the ``torch.compile`` arguments: what a spec compiles with (:func:`torch_kwargs`,
+  :func:`cold_torch_kwargs`) and what a restored artifact must be served with
+  (:func:`served_torch_kwargs`).
+
+It is also kiln's trust rule for environment variables: an artifact comes from elsewhere, and
+``kiln.env`` is sourced by a shell in the pod, so the environment a manifest may set is an
+allow-list of variables that change *compiled code*, never ones that move cache locations, point
+at programs or libraries, or reach a remote cache. Torch-free, and it imports nothing of kiln's
+at run time: the spec and the manifest import it, not the reverse.
 """
 
 from __future__ import annotations
 
+import os
 import re
 import shlex
 from collections.abc import Mapping
 from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:  # annotations only: both import this module
+    from kiln.artifact.manifest import Manifest
+    from kiln.spec import CompileSpec, Spec
 
 # --- the layout of an artifact and of a restored folder --------------------------------------
 INDUCTOR_DIR = "inductor"  # DIR/inductor is TORCHINDUCTOR_CACHE_DIR
@@ -103,6 +119,37 @@ def env_value_problem(key: str, value: str) -> str | None:
     return None
 
 
+def compile_env(spec: Spec) -> dict[str, str]:
+    """Environment the bake compiles under and every serving process must share.
+
+    The spec's ``env`` (its keys passed :func:`env_key_problem` when it parsed), and for
+    automatic or dynamic shapes a pinned ``TORCH_COMPILE_JOB_ID``: the PGO profile torch writes
+    during the bake is keyed by job id, so a pod reads back the one the bake wrote, unless the
+    spec chose an id itself. The manifest records the result as its ``env``.
+    """
+    env = spec.compile_env()
+    if spec.compile.dynamic is not False:
+        env.setdefault("TORCH_COMPILE_JOB_ID", f"kiln-{spec.name}")
+    return env
+
+
+def worker_env(extra: Mapping[str, str]) -> dict[str, str]:
+    """The whole environment of a ``kiln.compiler.worker`` process, ``extra`` on top.
+
+    Inherited environment is the enemy of reproducible caches: a user's
+    ``TORCHINDUCTOR_CACHE_DIR`` would leak entries into a bake, a remote-cache switch would make a
+    verify hit over the network. So the child gets this process's environment minus every
+    :func:`is_cache_location` variable, with the folder that holds this ``kiln`` package first on
+    ``PYTHONPATH`` (the worker runs the same kiln as its parent, installed or not).
+    """
+    env = {k: v for k, v in os.environ.items() if not is_cache_location(k)}
+    src = str(Path(__file__).resolve().parent.parent)
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (src, env.get("PYTHONPATH", "")) if p)
+    env["PYTHONUNBUFFERED"] = "1"
+    env.update(extra)
+    return env
+
+
 def cache_env(dest: Path, env: Mapping[str, str]) -> dict[str, str]:
     """The environment a serving process needs to hit the caches restored at ``dest``.
 
@@ -134,3 +181,120 @@ def env_file_text(dest: Path, name: str, env: Mapping[str, str]) -> str:
 def _comment(text: str) -> str:
     """Text safe inside a one-line shell comment: no line breaks, printable only."""
     return "".join(c if c.isprintable() else "?" for c in text)
+
+
+# --- torch.compile arguments -----------------------------------------------------------------
+# torch._inductor.list_mode_options(), restated so that parsing a spec stays torch-free
+# (tests/test_spec.py holds it to torch's table).
+MODE_OPTIONS: dict[str, dict[str, bool]] = {
+    "default": {},
+    "reduce-overhead": {"triton.cudagraphs": True},
+    "max-autotune-no-cudagraphs": {"max_autotune": True, "coordinate_descent_tuning": True},
+    "max-autotune": {
+        "max_autotune": True,
+        "triton.cudagraphs": True,
+        "coordinate_descent_tuning": True,
+    },
+}
+_TUNING_OPTIONS = ("max_autotune", "coordinate_descent_tuning")
+
+# What an autotuning spec adds to its Inductor options, and why:
+AUTOTUNE_LOADING: dict[str, Any] = {
+    # On an FX hit, statically launchable kernels come back as pickled autotuners that keep the
+    # bake's file paths and (torch <= 2.11) lose the coordinate-descent flag (pytorch#172819);
+    # kernels loaded from source read the `.best_config` beside the restored source.
+    "use_static_cuda_launcher": False,
+    # A kernel loaded in the compile worker pool returns to the parent pickled, and
+    # triton.Config.__setstate__ (3.6) keeps only its own fields, so `found_by_coordesc` is
+    # dropped and the first call tunes again. Whether the pool is ready yet is a race, so
+    # restored runs re-tuned only sometimes (H200: 134 benchmarks and 71 new cubins through a
+    # ready pool, 0 and 0 with this setting; docs/benchmarks.md, Findings).
+    "compile_threads": 1,
+}
+
+
+def inductor_options(mode: str | None, options: Mapping[str, Any]) -> dict[str, Any]:
+    """The Inductor settings a compile section means, whether spelled as ``mode`` or ``options``."""
+    return dict(options) if options else dict(MODE_OPTIONS[mode or "default"])
+
+
+def autotunes(options: Mapping[str, Any]) -> bool:
+    """Whether these Inductor settings tune kernels, whose results a fresh process must re-read."""
+    return any(bool(options.get(k)) for k in _TUNING_OPTIONS)
+
+
+def torch_kwargs(compile: CompileSpec) -> dict[str, Any]:
+    """Keyword arguments for ``torch.compile`` exactly as a serving process must pass them.
+
+    Autotuning specs get the settings in :data:`AUTOTUNE_LOADING`, which make a warm process use
+    the tuning results it is given instead of benchmarking again; a key the spec sets itself
+    stands. ``use_static_cuda_launcher`` is part of Inductor's cache key, so a server must compile
+    with these arguments (the manifest records them as ``compile_kwargs``).
+    """
+    return _compile_kwargs(
+        compile.backend, compile.mode, compile.dynamic, compile.fullgraph, compile.options
+    )
+
+
+def _compile_kwargs(
+    backend: str, mode: str | None, dynamic: bool | None, fullgraph: bool, options: Mapping
+) -> dict[str, Any]:
+    kwargs: dict[str, Any] = {"backend": backend, "dynamic": dynamic, "fullgraph": fullgraph}
+    settings = inductor_options(mode, options)
+    if autotunes(settings):
+        kwargs["options"] = settings | {
+            k: v for k, v in AUTOTUNE_LOADING.items() if k not in settings
+        }
+    elif options:
+        kwargs["options"] = dict(options)
+    else:
+        kwargs["mode"] = mode or "default"
+    return kwargs
+
+
+def cold_torch_kwargs(compile: CompileSpec) -> dict[str, Any]:
+    """:func:`torch_kwargs` for a compile that starts from an empty cache (a bake's first pass).
+
+    Only a warm process must load kernels in-process; a cold one compiles hundreds of kernels,
+    which Inductor's worker pool does in parallel. ``compile_threads`` is outside the cache key,
+    so what this compiles, a process with :func:`torch_kwargs` finds.
+    """
+    kwargs = torch_kwargs(compile)
+    if compile.autotunes and "compile_threads" not in compile.options:
+        return with_compile_threads(kwargs, None)
+    return kwargs
+
+
+def with_compile_threads(kwargs: Mapping[str, Any], threads: int | None) -> dict[str, Any]:
+    """``kwargs`` with Inductor's compile thread count set (``None``: torch's default).
+
+    A ``mode`` becomes its options, since torch.compile takes one or the other. The count is
+    outside Inductor's cache key, so the result hits what ``kwargs`` compiled.
+    """
+    out = dict(kwargs)
+    options = out.pop("options", None)
+    if options is None:
+        options = MODE_OPTIONS[out.pop("mode", None) or "default"]
+    options = {k: v for k, v in options.items() if k != "compile_threads"}
+    if threads is not None:
+        options["compile_threads"] = threads
+    return out | {"options": options}
+
+
+def served_torch_kwargs(manifest: Manifest) -> dict[str, Any]:
+    """The ``torch.compile`` arguments a serving process must pass to hit ``manifest``'s caches.
+
+    What the bake recorded (``compile_kwargs``), never what this kiln would derive from the spec
+    today; only an artifact baked before kiln recorded them falls back to its spec's ``compile``
+    section, read as that kiln wrote it.
+    """
+    if manifest.compile_kwargs is not None:
+        return dict(manifest.compile_kwargs)
+    section = manifest.spec["compile"]
+    return _compile_kwargs(
+        section["backend"],
+        section.get("mode"),
+        section["dynamic"],
+        section["fullgraph"],
+        section.get("options") or {},
+    )

@@ -23,6 +23,8 @@ from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, ValidationError,
 
 from kiln.errors import SpecError
 from kiln.serving import ENV_ALLOWED_PREFIXES, MAX_NAME_LENGTH, NAME_PATTERN, env_key_problem
+from kiln.serving import autotunes as _autotunes
+from kiln.serving import inductor_options as _inductor_options
 
 DType = Literal["float32", "float16", "bfloat16", "int64", "int32", "bool"]
 FloatDType = Literal["float32", "float16", "bfloat16"]
@@ -52,34 +54,6 @@ RANDINT_RANGE: dict[str, tuple[int, int]] = {
 
 Int64 = Annotated[int, Field(ge=INT64_MIN, le=INT64_MAX)]
 Size = Annotated[int, Field(ge=1, le=MAX_SIZE)]
-
-# torch._inductor.list_mode_options(), restated so that parsing a spec stays torch-free
-# (tests/test_spec.py holds it to torch's table).
-MODE_OPTIONS: dict[str, dict[str, bool]] = {
-    "default": {},
-    "reduce-overhead": {"triton.cudagraphs": True},
-    "max-autotune-no-cudagraphs": {"max_autotune": True, "coordinate_descent_tuning": True},
-    "max-autotune": {
-        "max_autotune": True,
-        "triton.cudagraphs": True,
-        "coordinate_descent_tuning": True,
-    },
-}
-
-
-# What an autotuning spec adds to its Inductor options, and why:
-AUTOTUNE_LOADING: dict[str, Any] = {
-    # On an FX hit, statically launchable kernels come back as pickled autotuners that keep the
-    # bake's file paths and (torch <= 2.11) lose the coordinate-descent flag (pytorch#172819);
-    # kernels loaded from source read the `.best_config` beside the restored source.
-    "use_static_cuda_launcher": False,
-    # A kernel loaded in the compile worker pool returns to the parent pickled, and
-    # triton.Config.__setstate__ (3.6) keeps only its own fields, so `found_by_coordesc` is
-    # dropped and the first call tunes again. Whether the pool is ready yet is a race, so
-    # restored runs re-tuned only sometimes (H200: 134 benchmarks through a ready pool, 0 with
-    # this setting; docs/benchmarks.md).
-    "compile_threads": 1,
-}
 
 
 class _Strict(BaseModel):
@@ -129,71 +103,18 @@ class CompileSpec(_Strict):
 
     def inductor_options(self) -> dict[str, Any]:
         """The Inductor settings this spec compiles with, whether spelled as mode or options."""
-        return dict(self.options) if self.options else dict(MODE_OPTIONS[self.mode or "default"])
+        return _inductor_options(self.mode, self.options)
 
     @property
     def autotunes(self) -> bool:
         """Whether compiling tunes kernels, whose results a fresh process must find and re-read."""
-        options = self.inductor_options()
-        return any(bool(options.get(k)) for k in ("max_autotune", "coordinate_descent_tuning"))
+        return _autotunes(self.inductor_options())
 
     @property
     def cudagraphs(self) -> bool:
         """Whether calls are CUDA-graphed: a warm bucket needs its graph recorded, not just
         compiled (warm-up call, recording call, then replays)."""
         return bool(self.inductor_options().get("triton.cudagraphs"))
-
-    def torch_kwargs(self) -> dict[str, Any]:
-        """Keyword arguments for ``torch.compile`` exactly as a serving process must pass them.
-
-        Autotuning specs get the settings in :data:`AUTOTUNE_LOADING`, which make a warm
-        process use the tuning results it is given instead of benchmarking again; a key the
-        spec sets itself stands. ``use_static_cuda_launcher`` is part of Inductor's cache key,
-        so a server must compile with these arguments (the manifest records them).
-        """
-        kwargs: dict[str, Any] = {
-            "backend": self.backend,
-            "dynamic": self.dynamic,
-            "fullgraph": self.fullgraph,
-        }
-        if self.autotunes:
-            options = self.inductor_options()
-            kwargs["options"] = options | {
-                k: v for k, v in AUTOTUNE_LOADING.items() if k not in options
-            }
-        elif self.options:
-            kwargs["options"] = dict(self.options)
-        else:
-            kwargs["mode"] = self.mode or "default"
-        return kwargs
-
-    def cold_torch_kwargs(self) -> dict[str, Any]:
-        """:meth:`torch_kwargs` for a compile that starts from an empty cache.
-
-        Only a warm process must load kernels in-process; a cold one compiles hundreds of
-        kernels, which Inductor's worker pool does in parallel. ``compile_threads`` is outside
-        the cache key, so what this compiles, a process with :meth:`torch_kwargs` finds.
-        """
-        kwargs = self.torch_kwargs()
-        if self.autotunes and "compile_threads" not in self.options:
-            return with_compile_threads(kwargs, None)
-        return kwargs
-
-
-def with_compile_threads(torch_kwargs: dict[str, Any], threads: int | None) -> dict[str, Any]:
-    """``torch_kwargs`` with Inductor's compile thread count set (``None``: torch's default).
-
-    A ``mode`` becomes its options, since torch.compile takes one or the other. The count is
-    outside Inductor's cache key, so the result hits what ``torch_kwargs`` compiled.
-    """
-    kwargs = dict(torch_kwargs)
-    options = kwargs.pop("options", None)
-    if options is None:
-        options = MODE_OPTIONS[kwargs.pop("mode", None) or "default"]
-    options = {k: v for k, v in options.items() if k != "compile_threads"}
-    if threads is not None:
-        options["compile_threads"] = threads
-    return kwargs | {"options": options}
 
 
 class InputSpec(_Strict):

@@ -174,7 +174,8 @@ class Manifest(_Model):
     megacache: str | None = None  # path of the Mega-Cache blob in the artifact, if captured
     precompiled: str | None = None  # path of the AOT-compiled forwards (compile.precompile)
     # torch.compile(**compile_kwargs) exactly as the bake called it (None: baked before kiln
-    # recorded it). Serving passes these, not whatever this kiln would derive from the spec.
+    # recorded it). Serving passes these (kiln.serving.served_torch_kwargs), not whatever this
+    # kiln would derive from the spec.
     compile_kwargs: dict[str, Any] | None = None
     warnings: list[str] = Field(default_factory=list)  # what the bake could not settle
 
@@ -221,14 +222,6 @@ class Manifest(_Model):
             if value is not None and value not in paths:
                 raise ValueError(f"{field} {_shown(value)} is not a listed file")
         return self
-
-    def torch_kwargs(self) -> dict[str, Any]:
-        """The ``torch.compile`` arguments a serving process must pass to hit these caches."""
-        if self.compile_kwargs is not None:
-            return dict(self.compile_kwargs)
-        from kiln.spec import CompileSpec
-
-        return CompileSpec.model_validate(self.spec["compile"]).torch_kwargs()
 
     def to_bytes(self) -> bytes:
         return (json.dumps(self.model_dump(mode="json"), indent=2, sort_keys=True) + "\n").encode()

@@ -28,7 +28,7 @@ import stat
 import tarfile
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path, PurePosixPath
 from typing import Any, BinaryIO
@@ -44,13 +44,12 @@ from kiln.artifact.archive import (
 from kiln.artifact.manifest import MANIFEST_NAME, FileEntry, Manifest, path_problem
 from kiln.artifact.storage import DEFAULT_TIMEOUT, check_timeout, fetch, is_remote, parse_digest
 from kiln.errors import IntegrityError, KilnError, UsageError
+from kiln.events import EventSink, Extracting, Fetched, Fetching, Recovered, ignore
 from kiln.files import CHUNK, atomic_write
 from kiln.serving import ENV_NAME, INDUCTOR_DIR, STATE_NAME, env_file_text
 
 _QUEUE = 16  # chunks in flight between the decompressing and the writing thread
 _HEADROOM = 1 << 20
-
-Sink = Callable[[dict[str, Any]], None]
 
 
 @dataclass
@@ -226,7 +225,7 @@ def _siblings(dest: Path) -> Iterator[tuple[str, os.DirEntry[str]]]:
                 yield "old", entry
 
 
-def _recover(dest: Path, emit: Sink) -> None:
+def _recover(dest: Path, emit: EventSink) -> None:
     """Finish what a restore killed inside a two-rename swap left (we hold the lock).
 
     DEST missing and an old tree beside it: the crash came between the renames, so the old tree
@@ -240,7 +239,7 @@ def _recover(dest: Path, emit: Sink) -> None:
     for entry in olds:
         if not os.path.lexists(dest) and entry.is_dir(follow_symlinks=False):
             os.rename(entry.path, dest)
-            emit({"event": "recovered", "dest": str(dest), "from": entry.name})
+            emit(Recovered(dest=str(dest), source=entry.name))
         elif entry.is_dir(follow_symlinks=False):
             shutil.rmtree(entry.path, ignore_errors=True)
 
@@ -269,7 +268,7 @@ def restore(
     *,
     sha256: str | None = None,
     env_file: str | Path | None = None,
-    on_event: Sink | None = None,
+    on_event: EventSink | None = None,
     timeout: float = DEFAULT_TIMEOUT,
 ) -> RestoreResult:
     """Install the artifact at ``source`` (path or URL) into ``dest``.
@@ -280,7 +279,7 @@ def restore(
     ``dest`` untouched.
     """
     t0 = time.time()
-    emit = on_event or (lambda _e: None)
+    emit = on_event or ignore
     pin = parse_digest(sha256)
     check_timeout(timeout)
     source = str(source)
@@ -335,7 +334,7 @@ def _restore_locked(
     dest: Path,
     pin: str | None,
     env_file: str | Path | None,
-    emit: Sink,
+    emit: EventSink,
     timeout: float,
     t0: float,
 ) -> RestoreResult:
@@ -349,12 +348,12 @@ def _restore_locked(
     try:
         if is_remote(source):
             _require_space(dest.parent, 0, "download")
-        emit({"event": "fetch", "source": source})
+        emit(Fetching(source=source))
         with fetch(
             source,
             staging,
             expected_sha256=pin,
-            on_bytes=lambda n, total: emit({"event": "fetched", "bytes": n, "total": total}),
+            on_bytes=lambda n, total: emit(Fetched(bytes=n, total=total)),
             timeout=timeout,
         ) as fetched:
             if installed is not None and installed[0] == fetched.sha256:
@@ -600,7 +599,7 @@ class _FileWriter:
             out.close()
 
 
-def _extract(fh: Any, tree: Path, emit: Sink) -> Manifest:
+def _extract(fh: Any, tree: Path, emit: EventSink) -> Manifest:
     writer = _FileWriter()
     try:
         with open_tar_stream(fh) as tar:
@@ -611,7 +610,7 @@ def _extract(fh: Any, tree: Path, emit: Sink) -> Manifest:
                 safe_member_name(f)
             _require_space(tree, manifest.total_bytes, f"{len(allowed)} files")
             total = manifest.total_bytes
-            emit({"event": "extract", "bytes": 0, "total": total})
+            emit(Extracting(bytes=0, total=total))
             seen: set[str] = set()
             done = 0
             for index, member in enumerate(tar):
@@ -641,7 +640,7 @@ def _extract(fh: Any, tree: Path, emit: Sink) -> Manifest:
                     writer.write(chunk)
                 writer.end()
                 done += entry.size
-                emit({"event": "extract", "bytes": done, "total": total})
+                emit(Extracting(bytes=done, total=total))
             writer.close()
     except (tarfile.TarError, zstandard.ZstdError, EOFError) as exc:
         raise IntegrityError(f"artifact is corrupt or truncated: {exc}") from None

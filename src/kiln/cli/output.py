@@ -34,6 +34,19 @@ from rich.progress import (
 from rich.text import Text
 
 from kiln.errors import ExitCode, KilnError
+from kiln.events import (
+    BucketDone,
+    BucketStarted,
+    Event,
+    Extracting,
+    Fetched,
+    Heartbeat,
+    ModeStarted,
+    Packed,
+    Packing,
+    PassStarted,
+    WorkerStarted,
+)
 
 
 def visible(text: str) -> str:
@@ -85,8 +98,8 @@ class Output:
         self.err.print(Text.assemble(("warning:", "yellow"), " ", visible(message)))
 
     @contextlib.contextmanager
-    def progress(self) -> Iterator[Callable[[dict[str, Any]], None]]:
-        """An event sink that draws kiln's progress events as rich bars on stderr."""
+    def progress(self) -> Iterator[_ProgressSink]:
+        """A sink for kiln's progress events: rich bars on a terminal, plain lines otherwise."""
         enabled = not self.quiet and self.err.is_terminal
         with (
             Progress(
@@ -113,50 +126,84 @@ class Output:
 
 
 class _ProgressSink:
-    """Maps worker/restore events to bars; without a terminal, prints one line per step."""
+    """Draws :mod:`kiln.events` as bars; without a terminal, prints one plain line per step.
+
+    Piped (a CI log, ``make demo``), a bake says which bucket it starts before its first call,
+    which can compile for minutes, and a :class:`~kiln.events.Heartbeat` line while a step stays
+    silent; during ``kiln bench`` each line says which mode (and run) it belongs to.
+    """
 
     def __init__(self, bars: Progress, byte_bars: Progress, plain: Output | None) -> None:
         self.bars, self.byte_bars, self.plain = bars, byte_bars, plain
         self.tasks: dict[str, TaskID] = {}
         self.buckets = 0
+        self.label = ""  # the bench mode the next events belong to ("" outside bench)
 
     def _task(self, progress: Progress, name: str, description: str, total: float | None) -> TaskID:
         if name not in self.tasks:
             self.tasks[name] = progress.add_task(description, total=total)
         return self.tasks[name]
 
-    def __call__(self, event: dict[str, Any]) -> None:
-        kind = event.get("event")
-        if kind == "pass":
-            self.tasks.pop("first", None)
-            self.tasks.pop("warm", None)
-            if self.plain and event["passes"] > 1:
-                self.plain.note(f"pass {event['index'] + 1}/{event['passes']}")
-        elif kind == "start":
-            self.buckets = int(event["buckets"])
-            tag = len(self.tasks)
-            self.tasks["first"] = self.bars.add_task(
-                f"compile/first call [{tag}]", total=self.buckets
-            )
-            self.tasks["warm"] = self.bars.add_task(f"warm + time      [{tag}]", total=self.buckets)
-        elif kind == "bucket":
-            task = self.tasks.get(event["phase"])
-            if task is not None:
-                self.bars.update(task, advance=1, description=f"{event['phase']:5} {event['key']}")
-            if self.plain and event["phase"] == "first":
-                self.plain.note(f"  {event['key']}: first call {event['first_call_s']:.2f}s")
-        elif kind == "pack":
-            self._task(self.byte_bars, "pack", "pack", event["bytes"])
-        elif kind == "packed":
-            self.byte_bars.update(
-                self._task(self.byte_bars, "pack", "pack", None), advance=event["bytes"]
-            )
-        elif kind == "fetched":
-            t = self._task(self.byte_bars, "fetch", "fetch", event.get("total"))
-            self.byte_bars.update(t, completed=event["bytes"], total=event.get("total"))
-        elif kind == "extract":
-            t = self._task(self.byte_bars, "extract", "unpack", event.get("total"))
-            self.byte_bars.update(t, completed=event["bytes"], total=event.get("total"))
+    def _line(self, text: str) -> None:
+        if self.plain:
+            self.plain.note(f"  {self.label} · {text}" if self.label else f"  {text}")
+
+    def __call__(self, event: Event) -> None:
+        match event:
+            case ModeStarted() as e:
+                self.label = e.label
+                if self.plain:
+                    self.plain.note(f"bench: {e.label}")
+            case PassStarted() as e:
+                self.tasks.pop("first", None)
+                self.tasks.pop("warm", None)
+                if self.plain and e.passes > 1:
+                    where = f"{self.label}: " if self.label else ""
+                    self.plain.note(f"{where}pass {e.index + 1}/{e.passes}")
+            case WorkerStarted() as e:
+                self._worker_started(e)
+            case BucketStarted() as e:
+                self._bucket_started(e)
+            case BucketDone() as e:
+                self._bucket_done(e)
+            case Heartbeat() as e:
+                self._line(f"still running: {e.what} ({e.elapsed_s:.0f} s)")
+            case Packing() as e:
+                self._task(self.byte_bars, "pack", "pack", e.total)
+            case Packed() as e:
+                task = self._task(self.byte_bars, "pack", "pack", None)
+                self.byte_bars.update(task, advance=e.bytes)
+            case Fetched() as e:
+                task = self._task(self.byte_bars, "fetch", "fetch", e.total)
+                self.byte_bars.update(task, completed=e.bytes, total=e.total)
+            case Extracting() as e:
+                task = self._task(self.byte_bars, "extract", "unpack", e.total)
+                self.byte_bars.update(task, completed=e.bytes, total=e.total)
+            case _:
+                pass
+
+    def _worker_started(self, event: WorkerStarted) -> None:
+        self.buckets = event.buckets
+        tag = f"{self.label} " if self.label else f"[{len(self.tasks)}] "
+        self.tasks["first"] = self.bars.add_task(f"{tag}compile/first call", total=self.buckets)
+        self.tasks["warm"] = self.bars.add_task(f"{tag}warm + time", total=self.buckets)
+
+    def _bucket_started(self, event: BucketStarted) -> None:
+        task = self.tasks.get(event.phase)
+        if task is not None:
+            self.bars.update(task, description=self._describe(event.phase, event.key))
+        if event.phase == "first":
+            self._line(f"{event.key}: start ({event.index + 1}/{self.buckets or '?'})")
+
+    def _bucket_done(self, event: BucketDone) -> None:
+        task = self.tasks.get(event.phase)
+        if task is not None:
+            self.bars.update(task, advance=1, description=self._describe(event.phase, event.key))
+        if event.phase == "first":
+            self._line(f"{event.key}: first call {event.seconds:.2f}s")
+
+    def _describe(self, phase: str, key: str) -> str:
+        return f"{self.label} {phase:5} {key}" if self.label else f"{phase:5} {key}"
 
 
 def report_error(exc: BaseException, json_mode: bool) -> int:

@@ -23,7 +23,7 @@ from kiln.artifact.archive import read_manifest
 from kiln.artifact.manifest import Manifest
 from kiln.compiler.check import CheckReport, compare_manifest
 from kiln.errors import IncompatibleError
-from kiln.serving import cache_env
+from kiln.serving import cache_env, served_torch_kwargs
 
 log = logging.getLogger("kiln")
 
@@ -57,7 +57,7 @@ class Activation:
         """
         import torch
 
-        kwargs = self.manifest.torch_kwargs()
+        kwargs = served_torch_kwargs(self.manifest)
         if self.manifest.precompiled:
             from kiln.compiler.precompile import PrecompiledForward
 

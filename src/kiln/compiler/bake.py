@@ -9,7 +9,7 @@ Autotuning modes get the same treatment: with coordinate-descent tuning, a fresh
 reads the tuned configs back rebuilds Triton kernels the first pass never compiled under those
 exact options (measured on the H200, torch 2.11), so a second pass writes them into the cache.
 The first pass compiles with Inductor's worker pool; later passes load as a server will, with
-the spec's serving arguments (:meth:`~kiln.spec.CompileSpec.torch_kwargs`).
+the spec's serving arguments (:func:`kiln.serving.torch_kwargs`).
 """
 
 from __future__ import annotations
@@ -27,12 +27,21 @@ from pathlib import Path
 from typing import Any
 
 from kiln.artifact.archive import sha256_file, source_date_epoch, write_artifact
-from kiln.artifact.manifest import BucketStats, Manifest, PassStats
+from kiln.artifact.manifest import Manifest, PassStats
 from kiln.compiler.capture import capture
-from kiln.compiler.launch import EventSink, WorkerRun, run_worker
+from kiln.compiler.launch import WorkerRun, run_worker
+from kiln.compiler.protocol import WorkerRequest
 from kiln.errors import UsageError
+from kiln.events import Capturing, EventSink, Packed, Packing, PassStarted, ignore
 from kiln.grid import Bucket, expand, rotations
-from kiln.serving import INDUCTOR_DIR, MEGACACHE_NAME, PRECOMPILED_NAME
+from kiln.serving import (
+    INDUCTOR_DIR,
+    MEGACACHE_NAME,
+    PRECOMPILED_NAME,
+    cold_torch_kwargs,
+    compile_env,
+    torch_kwargs,
+)
 from kiln.spec import MAX_PASSES, Spec, load_spec
 
 MAX_AUTO_PASSES = 4
@@ -63,18 +72,6 @@ class BakeResult:
         }
 
 
-def serving_env(spec: Spec) -> dict[str, str]:
-    """Environment the bake compiles under and every serving process must share.
-
-    For automatic/dynamic shapes we pin ``TORCH_COMPILE_JOB_ID`` so the PGO profile torch writes
-    during the bake is the one a pod reads back (it is keyed by job id), unless the spec chose one.
-    """
-    env = spec.compile_env()
-    if spec.compile.dynamic is not False:
-        env.setdefault("TORCH_COMPILE_JOB_ID", f"kiln-{spec.name}")
-    return env
-
-
 def bake(
     spec: Spec | str | Path,
     out: str | Path,
@@ -89,76 +86,21 @@ def bake(
     """
     spec = spec if isinstance(spec, Spec) else load_spec(spec)
     out = Path(out)
-    env = serving_env(spec)  # its keys passed kiln.serving.env_key_problem when the spec parsed
     buckets = expand(spec)
     if not buckets:
         raise UsageError("the grid is empty after `exclude`")
     if passes is not None and not 1 <= passes <= MAX_PASSES:
         raise UsageError(f"passes must be between 1 and {MAX_PASSES}")
-    n_passes = passes or spec.warmup.passes
-    auto = n_passes is None
-    if auto:
-        settled = spec.compile.dynamic is False and not spec.compile.autotunes
-        n_passes = 1 if settled else MAX_AUTO_PASSES
-    orders = rotations(buckets, n_passes)
-    emit = on_event or (lambda _e: None)
-
+    emit = on_event or ignore
     t0 = time.time()
     with _stable_workdir(spec.name) as work:
-        root = work / INDUCTOR_DIR
-        root.mkdir()
-        child_env = {
-            **env,
-            "TORCHINDUCTOR_CACHE_DIR": str(root),
-            # Triton's own default (~/.triton) is outside the root: keep it private too.
-            "TRITON_HOME": str(work / "triton-home"),
-        }
-        runs: list[WorkerRun] = []
-        pass_stats: list[PassStats] = []
-        for i, order in enumerate(orders):
-            keys = [b.key for b in order]
-            emit({"event": "pass", "index": i, "passes": len(orders), "order": keys})
-            run = run_worker(
-                spec,
-                {
-                    "order": keys,
-                    # The first pass compiles from nothing (in parallel); every later pass is a
-                    # fresh process loading what it left, exactly as a server will.
-                    "torch_kwargs": spec.compile.cold_torch_kwargs()
-                    if i == 0
-                    else spec.compile.torch_kwargs(),
-                    "calls": spec.warmup.calls,
-                    "cache_root": str(root),
-                    "megacache_save": str(work / MEGACACHE_NAME) if i == 0 else None,
-                    "precompile_save": str(work / PRECOMPILED_NAME)
-                    if i == 0 and spec.compile.precompile
-                    else None,
-                    "fingerprint": i == 0,
-                    "steady_calls": 5,
-                },
-                child_env,
-                on_event=emit,
-            )
-            runs.append(run)
-            compiles = sum(BucketStats.model_validate(b).compiles for b in run.result["buckets"])
-            pass_stats.append(
-                PassStats(order=keys, compiles=compiles, wall_s=run.ended - run.spawned)
-            )
-            if auto and i > 0 and compiles == 0:
-                break
-        emit({"event": "capture"})
-        files = capture(root, work / MEGACACHE_NAME, work / PRECOMPILED_NAME)
-        manifest = _manifest(spec, buckets, runs, pass_stats, files, env)
-        emit({"event": "pack", "bytes": sum(f.size for f in files)})
-        sha, size = write_artifact(
-            out, manifest, work, on_bytes=lambda n: emit({"event": "packed", "bytes": n})
-        )
-        kept = None
-        if keep_workdir:
-            # Same temporary filesystem: a move, not a copy of the whole cache.
-            kept = Path(tempfile.mkdtemp(prefix=f"kiln-bake-{spec.name}-keep-"))
-            kept.rmdir()
-            work.rename(kept)
+        runs, pass_stats = _compile_passes(spec, buckets, work, passes, emit)
+        emit(Capturing())
+        files = capture(work / INDUCTOR_DIR, work / MEGACACHE_NAME, work / PRECOMPILED_NAME)
+        manifest = _manifest(spec, buckets, runs, pass_stats, files)
+        emit(Packing(total=sum(f.size for f in files)))
+        sha, size = write_artifact(out, manifest, work, on_bytes=lambda n: emit(Packed(bytes=n)))
+        kept = _keep(work, spec.name) if keep_workdir else None
     return BakeResult(
         artifact=out,
         sha256=sha,
@@ -168,6 +110,75 @@ def bake(
         workdir=kept,
         runs=runs,
     )
+
+
+def _pass_count(spec: Spec, passes: int | None) -> tuple[int, bool]:
+    """How many fresh-process passes to run at most, and whether to stop at the first quiet one
+    (automatic: only specs whose compiles depend on order or on tuning results need more)."""
+    chosen = passes or spec.warmup.passes
+    if chosen is not None:
+        return chosen, False
+    settled = spec.compile.dynamic is False and not spec.compile.autotunes
+    return (1 if settled else MAX_AUTO_PASSES), True
+
+
+def _compile_passes(
+    spec: Spec, buckets: list[Bucket], work: Path, passes: int | None, emit: EventSink
+) -> tuple[list[WorkerRun], list[PassStats]]:
+    """Run the bake's passes into ``work``'s cache root, each in a fresh worker, in other orders.
+
+    The first pass compiles from nothing (in parallel) and saves the Mega-Cache blob and any
+    precompiled forwards; every later pass is a fresh process loading what it left, exactly as
+    a server will, with the spec's serving arguments.
+    """
+    count, auto = _pass_count(spec, passes)
+    orders = rotations(buckets, count)
+    root = work / INDUCTOR_DIR
+    root.mkdir()
+    env = {
+        **compile_env(spec),
+        "TORCHINDUCTOR_CACHE_DIR": str(root),
+        # Triton's own default (~/.triton) is outside the root: keep it private too.
+        "TRITON_HOME": str(work / "triton-home"),
+    }
+    first = WorkerRequest(
+        order=[b.key for b in buckets],
+        torch_kwargs=cold_torch_kwargs(spec.compile),
+        calls=spec.warmup.calls,
+        steady_calls=5,
+        cache_root=str(root),
+        megacache_save=str(work / MEGACACHE_NAME),
+        precompile_save=str(work / PRECOMPILED_NAME) if spec.compile.precompile else None,
+        fingerprint=True,
+    )
+    later = first.replace(
+        torch_kwargs=torch_kwargs(spec.compile),
+        megacache_save=None,
+        precompile_save=None,
+        fingerprint=False,
+    )
+    runs: list[WorkerRun] = []
+    pass_stats: list[PassStats] = []
+    for i, order in enumerate(orders):
+        keys = [b.key for b in order]
+        emit(PassStarted(index=i, passes=len(orders), order=keys))
+        request = (first if i == 0 else later).replace(order=keys)
+        run = run_worker(spec, request, env, on_event=emit)
+        runs.append(run)
+        compiles = run.result.compiles
+        pass_stats.append(PassStats(order=keys, compiles=compiles, wall_s=run.wall_s))
+        if auto and i > 0 and compiles == 0:
+            break
+    return runs, pass_stats
+
+
+def _keep(work: Path, name: str) -> Path:
+    """Move the finished work folder out of the way of its removal (bench compares against it).
+    Same temporary filesystem: a move, not a copy of the whole cache."""
+    kept = Path(tempfile.mkdtemp(prefix=f"kiln-bake-{name}-keep-"))
+    kept.rmdir()
+    work.rename(kept)
+    return kept
 
 
 @contextlib.contextmanager
@@ -197,10 +208,9 @@ def _manifest(
     runs: list[WorkerRun],
     pass_stats: list[PassStats],
     files: list[Any],
-    env: dict[str, str],
 ) -> Manifest:
     first = runs[0]
-    grid = [BucketStats.model_validate(b) for b in first.result["buckets"]]
+    grid = list(first.result.buckets)
     order = {b.key: i for i, b in enumerate(buckets)}
     grid.sort(key=lambda b: order[b.key])
     origin = spec.factory_origin()
@@ -212,8 +222,8 @@ def _manifest(
         spec=spec.canonical(),
         spec_sha256=spec.sha256(),
         model_source_sha256=sha256_file(origin) if origin and origin.is_file() else None,
-        fingerprint=first.result["fingerprint"] or {},
-        env=env,
+        fingerprint=first.result.fingerprint or {},
+        env=compile_env(spec),
         grid=grid,
         passes=pass_stats,
         totals={
@@ -226,7 +236,7 @@ def _manifest(
         files=files,
         megacache=MEGACACHE_NAME if any(f.path == MEGACACHE_NAME for f in files) else None,
         precompiled=PRECOMPILED_NAME if any(f.path == PRECOMPILED_NAME for f in files) else None,
-        compile_kwargs=spec.compile.torch_kwargs(),
+        compile_kwargs=torch_kwargs(spec.compile),
         warnings=_unsettled(runs, pass_stats),
     )
 
@@ -235,8 +245,7 @@ def _unsettled(runs: list[WorkerRun], pass_stats: list[PassStats]) -> list[str]:
     """Say it when the last fresh-process pass still compiled: that pod would compile too."""
     if len(pass_stats) < 2 or pass_stats[-1].compiles == 0:
         return []
-    last = [BucketStats.model_validate(b) for b in runs[-1].result["buckets"]]
-    where = ", ".join(f"{b.key} ({b.compiles})" for b in last if b.compiles)
+    where = ", ".join(f"{b.key} ({b.compiles})" for b in runs[-1].result.buckets if b.compiles)
     return [
         f"after {len(pass_stats)} fresh-process passes a new process still compiles "
         f"{pass_stats[-1].compiles} time(s): {where}; `kiln verify` will fail. Usual causes: the "

@@ -19,28 +19,42 @@ run, as a user without kiln would have them.
 
 from __future__ import annotations
 
+import functools
 import shutil
 import statistics
 import tempfile
 import time
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from kiln.artifact.manifest import BucketStats
 from kiln.artifact.restore import restore
-from kiln.compiler.bake import BakeResult, bake, serving_env
-from kiln.compiler.launch import EventSink, WorkerRun, run_worker
+from kiln.compiler.bake import BakeResult, bake
+from kiln.compiler.launch import WorkerRun, run_worker
+from kiln.compiler.protocol import WorkerRequest
 from kiln.compiler.verify import served_request
 from kiln.errors import UsageError
+from kiln.events import EventSink, ModeStarted, ignore
 from kiln.grid import expand, ordered
-from kiln.serving import INDUCTOR_DIR, MEGACACHE_NAME, cache_env
-from kiln.spec import Spec, load_spec, with_compile_threads
+from kiln.serving import (
+    INDUCTOR_DIR,
+    MEGACACHE_NAME,
+    cache_env,
+    cold_torch_kwargs,
+    compile_env,
+    served_torch_kwargs,
+    torch_kwargs,
+    with_compile_threads,
+)
+from kiln.spec import Spec, load_spec
 
 MODES = ("eager", "cold", "kiln", "megacache", "copied")
 # Opt-in: the restored folder *plus* the hot-loaded blob (kiln.activate's route), and kiln with
 # kernels loaded in-process.
 EXTRA_MODES = ("kiln-blob", "kiln-serial")
+ALL_MODES = (*MODES, *EXTRA_MODES)  # what bench() accepts, in report order
 
 
 @dataclass
@@ -137,21 +151,24 @@ class BenchReport:
         }
 
 
-def _mode(mode: str, run: WorkerRun, note: str = "") -> ModeResult:
-    return ModeResult(
-        mode=mode,
-        time_to_ready_s=run.time_to_ready,
-        time_to_warm_s=run.time_to_warm,
-        startup_s=run.startup,
-        buckets=[BucketStats.model_validate(b) for b in run.result["buckets"]],
-        note=note,
-    )
+def check_modes(modes: Iterable[str]) -> tuple[str, ...]:
+    """``modes`` if every one is a bench mode (:data:`ALL_MODES`), else a usage error (exit 2).
+
+    Checked before anything is baked: a typo must not cost a bake and then run nothing.
+    """
+    chosen = tuple(modes)
+    unknown = sorted(set(chosen) - set(ALL_MODES))
+    if unknown:
+        raise UsageError(
+            f"unknown bench mode(s): {', '.join(unknown)} (known: {', '.join(ALL_MODES)})"
+        )
+    return chosen
 
 
 def bench(
     spec: Spec | str | Path,
     *,
-    modes: tuple[str, ...] = MODES,
+    modes: Iterable[str] = MODES,
     order: str = "shuffle",
     seed: int = 0,
     cold_run: bool = False,
@@ -161,142 +178,35 @@ def bench(
 ) -> BenchReport:
     """Bake ``spec`` then time every mode in a fresh process; see the module docstring.
 
-    ``repeat`` runs each served mode (all but ``cold``) that many times, interleaved in rotating
-    order, and reports the run with the median time to ready plus every run's time: on a shared
-    machine process start-up alone varies by seconds, and one run per mode cannot tell that
-    apart from a real difference.
+    ``modes`` are names from :data:`ALL_MODES` (another is exit 2). ``repeat`` runs each served
+    mode (all but ``cold``) that many times, interleaved in rotating order, and reports the run
+    with the median time to ready plus every run's time: on a shared machine process start-up
+    alone varies by seconds, and one run per mode cannot tell that apart from a real difference.
     """
+    chosen = check_modes(modes)
     if repeat < 1:
         raise UsageError("--repeat must be at least 1")
     spec = spec if isinstance(spec, Spec) else load_spec(spec)
-    emit = on_event or (lambda _e: None)
+    emit = on_event or ignore
     work = Path(workdir) if workdir else Path(tempfile.mkdtemp(prefix=f"kiln-bench-{spec.name}-"))
     work.mkdir(parents=True, exist_ok=True)
-    keys = [b.key for b in ordered(expand(spec), order, seed)]
-    env = serving_env(spec)
     try:
-        emit({"event": "mode", "mode": "bake"})
-        baked: BakeResult = bake(
-            spec, work / "bench.kiln.tar.zst", keep_workdir=True, on_event=emit
-        )
-        assert baked.workdir is not None
-        results: dict[str, ModeResult] = {}
-        first = baked.runs[0]
-        bare_wall = first.ended - first.spawned
+        baked = _bake_for_bench(spec, work, emit)
+        keys = [b.key for b in ordered(expand(spec), order, seed)]
+        bench_ = _Bench(spec, work, baked, keys, emit, repeat)
         # A precompile bake fills its folder through torch's AOT route, which a plain
         # torch.compile only partly hits: the stock alternatives get a plain compile's caches.
         plain_cold = cold_run or spec.compile.precompile
-        if "cold" in modes and not plain_cold:
-            results["cold"] = _mode(
-                "cold", first, "the bake's first pass (fresh process, empty cache)"
-            )
+        results, bare_wall = bench_.cold(chosen, plain_cold, cold_run)
         t0 = time.time()
-        restored = work / "restored"
-        restore(baked.artifact, restored)
+        restore(baked.artifact, work / "restored")
         restore_s = time.time() - t0
-
-        def run(mode: str, extra_env: dict[str, str], **request: Any) -> WorkerRun:
-            emit({"event": "mode", "mode": mode})
-            return run_worker(
-                spec,
-                {
-                    "order": keys,
-                    "calls": spec.warmup.calls,
-                    "first_request": True,
-                    "steady_calls": 10,
-                    **request,
-                },
-                extra_env,
-                on_event=emit,
-            )
-
-        def empty(name: str) -> Path:
-            p = work / name / INDUCTOR_DIR
-            p.mkdir(parents=True)
-            return p
-
-        stock_root, stock_blob = baked.workdir / INDUCTOR_DIR, baked.workdir / MEGACACHE_NAME
-        if plain_cold and {"cold", "megacache", "copied"} & set(modes):
-            stock_root, stock_blob = empty("cold"), work / "cold" / MEGACACHE_NAME
-            r = run(
-                "cold",
-                {**env, "TORCHINDUCTOR_CACHE_DIR": str(stock_root)},
-                cache_root=str(stock_root),
-                megacache_save=str(stock_blob),
-                torch_kwargs=spec.compile.cold_torch_kwargs(),
-            )
-            results["cold"] = _mode("cold", r, "plain torch.compile, empty cache")
-            if cold_run:
-                bare_wall = r.ended - r.spawned
-        precompiled = baked.manifest.precompiled
-
-        # Every run of a served mode gets its own fresh folder: a process writes into the cache
-        # it reads (output code, kernels), and a second run must not start warmer than the first.
-        def eager(i: int) -> WorkerRun:
-            root = empty(f"eager-{i}")
-            return run("eager", {"TORCHINDUCTOR_CACHE_DIR": str(root)}, compile=False)
-
-        def kiln_run(i: int, mode: str = "kiln") -> WorkerRun:
-            dest = work / f"{mode}-{i}"
-            restore(baked.artifact, dest)
-            request = served_request(dest, baked.manifest)
-            if mode == "kiln-blob":
-                request["megacache_load"] = str(dest / MEGACACHE_NAME)
-            if mode == "kiln-serial":
-                request["torch_kwargs"] = with_compile_threads(request["torch_kwargs"], 1)
-            return run(mode, cache_env(dest, baked.manifest.env), **request)
-
-        def megacache(i: int) -> WorkerRun:
-            root = empty(f"megacache-{i}")
-            env_ = {**env, "TORCHINDUCTOR_CACHE_DIR": str(root)}
-            return run("megacache", env_, cache_root=str(root), megacache_load=str(stock_blob))
-
-        def copied(i: int) -> WorkerRun:
-            root = work / f"copied-{i}" / INDUCTOR_DIR
-            shutil.copytree(stock_root, root)
-            return run(
-                "copied", {**env, "TORCHINDUCTOR_CACHE_DIR": str(root)}, cache_root=str(root)
-            )
-
-        plans: dict[str, tuple[Any, str]] = {
-            "eager": (eager, ""),
-            "kiln": (
-                kiln_run,
-                "restored artifact at a new path, via kiln.env"
-                + (" + precompiled" if precompiled else ""),
-            ),
-            "kiln-blob": (
-                lambda i: kiln_run(i, "kiln-blob"),
-                "restored folder + Mega-Cache blob loaded",
-            ),
-            "kiln-serial": (
-                lambda i: kiln_run(i, "kiln-serial"),
-                "kiln, kernels loaded in-process (compile_threads: 1)",
-            ),
-            "megacache": (megacache, "Mega-Cache blob alone into an empty folder"),
-            "copied": (copied, "raw cache folder copied to a new path"),
-        }
-        if not (restored / MEGACACHE_NAME).is_file():
-            plans.pop("kiln-blob")
-        if not stock_blob.is_file():
-            plans.pop("megacache")
-        chosen = [m for m in plans if m in modes]
-        runs: dict[str, list[WorkerRun]] = {m: [] for m in chosen}
-        for i in range(repeat):
-            # Rotate the order each round: no mode is always the first process after the bake.
-            k = i % max(1, len(chosen))
-            for m in chosen[k:] + chosen[:k]:
-                runs[m].append(plans[m][0](i))
-        for m in chosen:
-            median = sorted(runs[m], key=lambda w: w.time_to_ready)[(len(runs[m]) - 1) // 2]
-            results[m] = _mode(m, median, plans[m][1])
-            results[m].ready_runs_s = [w.time_to_ready for w in runs[m]]
-        ordered_results = {m: results[m] for m in (*MODES, *EXTRA_MODES) if m in results}
+        results |= _served(bench_.plans(), chosen, repeat)
         return BenchReport(
             name=spec.name,
             spec=spec.canonical(),
             fingerprint=baked.manifest.fingerprint,
-            modes=ordered_results,
+            modes={m: results[m] for m in ALL_MODES if m in results},
             bake_wall_s=baked.wall_s,
             bare_compile_wall_s=bare_wall,
             artifact_bytes=baked.size,
@@ -309,3 +219,177 @@ def bench(
     finally:
         if workdir is None:
             shutil.rmtree(work, ignore_errors=True)
+
+
+def _bake_for_bench(spec: Spec, work: Path, emit: EventSink) -> BakeResult:
+    """The artifact every kiln mode restores, baked as ``kiln bake`` would; its work folder is
+    kept, since the stock modes start from the raw cache folder and blob it left."""
+    emit(ModeStarted(mode="bake"))
+    return bake(spec, work / "bench.kiln.tar.zst", keep_workdir=True, on_event=emit)
+
+
+@dataclass(frozen=True)
+class _Plan:
+    """How to run one served mode (its ``i``-th repeat), and what its row says it is."""
+
+    run: Callable[[int], WorkerRun]
+    note: str
+
+
+@dataclass
+class _Bench:
+    """One bench's workspace: the bake it compares against, the request order, and a runner
+    per mode. Every run of a served mode gets its own fresh folder: a process writes into the
+    cache it reads (output code, kernels), and a second run must not start warmer than the
+    first."""
+
+    spec: Spec
+    work: Path
+    baked: BakeResult
+    order: list[str]
+    emit: EventSink
+    repeat: int = 1
+
+    def __post_init__(self) -> None:
+        assert self.baked.workdir is not None  # bench bakes with keep_workdir
+        # The stock alternatives' sources: the bake's own folder and blob, unless a plain
+        # cold run replaces them (cold()).
+        self.stock_root = self.baked.workdir / INDUCTOR_DIR
+        self.stock_blob = self.baked.workdir / MEGACACHE_NAME
+        self.env = compile_env(self.spec)
+        self.request = WorkerRequest(
+            order=self.order,
+            torch_kwargs=torch_kwargs(self.spec.compile),
+            calls=self.spec.warmup.calls,
+            steady_calls=10,
+            first_request=True,
+        )
+
+    def _run(
+        self, mode: str, i: int, env: dict[str, str], request: WorkerRequest, runs: int = 0
+    ) -> WorkerRun:
+        self.emit(ModeStarted(mode=mode, run=i + 1, runs=runs or self.repeat))
+        return run_worker(self.spec, request, env, on_event=self.emit)
+
+    def _empty(self, name: str) -> Path:
+        root = self.work / name / INDUCTOR_DIR
+        root.mkdir(parents=True)
+        return root
+
+    def cold(
+        self, modes: tuple[str, ...], plain: bool, own_wall: bool
+    ) -> tuple[dict[str, ModeResult], float]:
+        """The ``cold`` row and the bare compile's wall time: the bake's first pass, or (for
+        ``plain``) a separate plain torch.compile run whose folder and blob then feed the stock
+        modes."""
+        first = self.baked.runs[0]
+        if not plain:
+            if "cold" not in modes:
+                return {}, first.wall_s
+            note = "the bake's first pass (fresh process, empty cache)"
+            return {"cold": _mode("cold", first, note)}, first.wall_s
+        if not {"cold", "megacache", "copied"} & set(modes):
+            return {}, first.wall_s
+        self.stock_root = self._empty("cold")
+        self.stock_blob = self.work / "cold" / MEGACACHE_NAME
+        request = self.request.replace(
+            torch_kwargs=cold_torch_kwargs(self.spec.compile),
+            cache_root=str(self.stock_root),
+            megacache_save=str(self.stock_blob),
+        )
+        env = {**self.env, "TORCHINDUCTOR_CACHE_DIR": str(self.stock_root)}
+        run = self._run("cold", 0, env, request, runs=1)
+        row = _mode("cold", run, "plain torch.compile, empty cache")
+        return {"cold": row}, run.wall_s if own_wall else first.wall_s
+
+    def eager(self, i: int) -> WorkerRun:
+        root = self._empty(f"eager-{i}")
+        request = self.request.replace(torch_kwargs=None)
+        return self._run("eager", i, {"TORCHINDUCTOR_CACHE_DIR": str(root)}, request)
+
+    def kiln(self, i: int, mode: str = "kiln") -> WorkerRun:
+        dest = self.work / f"{mode}-{i}"
+        manifest = self.baked.manifest
+        restore(self.baked.artifact, dest)
+        request = served_request(dest, manifest, self.order, self.spec.warmup.calls)
+        if mode == "kiln-blob":
+            request = request.replace(megacache_load=str(dest / MEGACACHE_NAME))
+        if mode == "kiln-serial":
+            kwargs = with_compile_threads(served_torch_kwargs(manifest), 1)
+            request = request.replace(torch_kwargs=kwargs)
+        return self._run(mode, i, cache_env(dest, manifest.env), request)
+
+    def megacache(self, i: int) -> WorkerRun:
+        root = self._empty(f"megacache-{i}")
+        env = {**self.env, "TORCHINDUCTOR_CACHE_DIR": str(root)}
+        request = self.request.replace(cache_root=str(root), megacache_load=str(self.stock_blob))
+        return self._run("megacache", i, env, request)
+
+    def copied(self, i: int) -> WorkerRun:
+        root = self.work / f"copied-{i}" / INDUCTOR_DIR
+        shutil.copytree(self.stock_root, root)
+        env = {**self.env, "TORCHINDUCTOR_CACHE_DIR": str(root)}
+        return self._run("copied", i, env, self.request.replace(cache_root=str(root)))
+
+    def plans(self) -> dict[str, _Plan]:
+        """The served modes this bench can run, in report order (call after :meth:`cold`)."""
+        precompiled = " + precompiled" if self.baked.manifest.precompiled else ""
+        plans = {
+            "eager": _Plan(self.eager, ""),
+            "kiln": _Plan(self.kiln, f"restored artifact at a new path, via kiln.env{precompiled}"),
+            "kiln-blob": _Plan(
+                functools.partial(self.kiln, mode="kiln-blob"),
+                "restored folder + Mega-Cache blob loaded",
+            ),
+            "kiln-serial": _Plan(
+                functools.partial(self.kiln, mode="kiln-serial"),
+                "kiln, kernels loaded in-process (compile_threads: 1)",
+            ),
+            "megacache": _Plan(self.megacache, "Mega-Cache blob alone into an empty folder"),
+            "copied": _Plan(self.copied, "raw cache folder copied to a new path"),
+        }
+        if not (self.work / "restored" / MEGACACHE_NAME).is_file():
+            plans.pop("kiln-blob")
+        if not self.stock_blob.is_file():
+            plans.pop("megacache")
+        return plans
+
+
+def _served(plans: dict[str, _Plan], chosen: tuple[str, ...], repeat: int) -> dict[str, ModeResult]:
+    """The served modes asked for, each run ``repeat`` times; each row is its median run."""
+    modes = [m for m in plans if m in chosen]
+    runs = _run_repeated(plans, modes, repeat)
+    results: dict[str, ModeResult] = {}
+    for m in modes:
+        results[m] = _mode(m, _median(runs[m]), plans[m].note)
+        results[m].ready_runs_s = [w.time_to_ready for w in runs[m]]
+    return results
+
+
+def _run_repeated(
+    plans: dict[str, _Plan], modes: list[str], repeat: int
+) -> dict[str, list[WorkerRun]]:
+    """Every mode ``repeat`` times, a round at a time, the order rotated each round: no mode is
+    always the first process after the bake."""
+    runs: dict[str, list[WorkerRun]] = {m: [] for m in modes}
+    for i in range(repeat):
+        k = i % max(1, len(modes))
+        for m in modes[k:] + modes[:k]:
+            runs[m].append(plans[m].run(i))
+    return runs
+
+
+def _median(runs: list[WorkerRun]) -> WorkerRun:
+    """The run with the median time to ready (the lower middle one of an even count)."""
+    return sorted(runs, key=lambda w: w.time_to_ready)[(len(runs) - 1) // 2]
+
+
+def _mode(mode: str, run: WorkerRun, note: str = "") -> ModeResult:
+    return ModeResult(
+        mode=mode,
+        time_to_ready_s=run.time_to_ready,
+        time_to_warm_s=run.time_to_warm,
+        startup_s=run.startup,
+        buckets=list(run.result.buckets),
+        note=note,
+    )

@@ -1,126 +1,249 @@
-"""Starting ``kiln.compiler.worker`` in a fresh process with exactly the environment we mean.
+"""Starting a grid worker (:mod:`kiln.compiler.worker`) in a fresh process and reading it back.
 
-Inherited environment is the enemy of reproducible caches: a user's ``TORCHINDUCTOR_CACHE_DIR``
-would leak entries into a bake, a remote-cache switch would make a verify hit over the network.
-So the child gets the caller's environment minus every cache-location and remote-cache variable,
-plus what kiln sets. Its stderr (torch's chatter) goes to a log whose tail is shown on failure.
+Bake, verify and bench each call :func:`run_worker` with a typed
+:class:`~kiln.compiler.protocol.WorkerRequest` and the environment they mean (on top of
+:func:`kiln.serving.worker_env`, which drops every inherited cache location). It relays the
+worker's progress events as they arrive, sends a :class:`~kiln.events.Heartbeat` while a step
+stays silent (a long compile in a piped CI log otherwise looks hung), and returns a
+:class:`WorkerRun`: the parsed :class:`~kiln.compiler.protocol.WorkerResult` and the wall-clock
+times around it. A failure becomes kiln's error for it: the spec's (exit 2, at its key), an
+incompatibility (exit 5), or a :class:`WorkerError` with the tail of torch's log.
 """
 
 from __future__ import annotations
 
 import contextlib
-import json
 import os
+import selectors
 import signal
 import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import IO
 
-from kiln.errors import IncompatibleError, KilnError
-from kiln.serving import is_cache_location
+from pydantic import ValidationError
+
+from kiln.compiler.protocol import WorkerFailure, WorkerOutcome, WorkerRequest, WorkerResult
+from kiln.errors import IncompatibleError, KilnError, UsageError
+from kiln.events import (
+    WORKER_EVENTS,
+    BucketDone,
+    BucketStarted,
+    EventSink,
+    FirstPassDone,
+    Heartbeat,
+    WorkerEvent,
+    WorkerStarted,
+    ignore,
+)
+from kiln.serving import worker_env
 from kiln.spec import Spec, error_at
 
-Event = dict[str, Any]
-EventSink = Callable[[Event], None]
+HEARTBEAT_ENV = "KILN_HEARTBEAT_S"
+HEARTBEAT_S = 15.0  # default: often enough for a CI log, rare enough not to drown it
+_LOG_TAIL = 15  # lines of the worker's stderr shown with an error
 
 
-def worker_env(extra: dict[str, str]) -> dict[str, str]:
-    env = {k: v for k, v in os.environ.items() if not is_cache_location(k)}
-    src = str(Path(__file__).resolve().parent.parent)
-    env["PYTHONPATH"] = os.pathsep.join(p for p in (src, env.get("PYTHONPATH", "")) if p)
-    env["PYTHONUNBUFFERED"] = "1"
-    env.update(extra)
-    return env
-
-
-@dataclass
+@dataclass(frozen=True)
 class WorkerRun:
-    result: dict[str, Any]
-    spawned: float  # wall clock when the process was started
+    """One finished worker: what it measured, and when it was started and ended (epochs)."""
+
+    result: WorkerResult
+    spawned: float
     ended: float
     log: str
 
     @property
     def time_to_ready(self) -> float:
         """Process start until every bucket has run once (interpreter + torch import included)."""
-        return float(self.result["first_pass_done"]) - self.spawned
+        return self.result.first_pass_done - self.spawned
 
     @property
     def startup(self) -> float:
         """Process start until the model is built and compiled or loaded, before any call."""
-        return float(self.result.get("model_ready", self.result["first_pass_done"])) - self.spawned
+        return self.result.model_ready - self.spawned
 
     @property
     def time_to_warm(self) -> float:
-        return float(self.result["warm_done"]) - self.spawned
+        return self.result.warm_done - self.spawned
+
+    @property
+    def wall_s(self) -> float:
+        return self.ended - self.spawned
 
 
 class WorkerError(KilnError):
-    pass
+    """The worker failed in a way that is not the spec's or the environment's (exit 1)."""
+
+
+def heartbeat_interval() -> float | None:
+    """Seconds of worker silence between heartbeats: ``KILN_HEARTBEAT_S``, default 15; 0 = off."""
+    text = os.environ.get(HEARTBEAT_ENV, "").strip()
+    if not text:
+        return HEARTBEAT_S
+    try:
+        seconds = float(text)
+    except ValueError:
+        seconds = -1.0
+    if not 0 <= seconds < float("inf"):
+        raise UsageError(f"{HEARTBEAT_ENV}={text!r}: give a number of seconds (0 turns it off)")
+    return seconds or None
 
 
 def run_worker(
     spec: Spec,
-    request: dict[str, Any],
+    request: WorkerRequest,
     env: dict[str, str],
     *,
     on_event: EventSink | None = None,
     timeout: float | None = None,
 ) -> WorkerRun:
-    """Run one grid pass in a fresh interpreter; raise a :class:`KilnError` on failure.
+    """Run one grid pass of ``spec`` in a fresh interpreter; raise a :class:`KilnError` on failure.
 
     The worker leads its own process group, so that when this call is interrupted (Ctrl-C, or
     SIGTERM, which the CLI turns into an exception) it is killed together with the compile
     processes Inductor started under it before the temporary folder is removed: nothing is left
     running or writing into a folder that no longer exists.
     """
-    request = {"spec_path": str(spec.path), **request}
+    heartbeat_s = heartbeat_interval()
+    request = request.replace(spec_path=str(spec.path))
     with tempfile.TemporaryDirectory(prefix="kiln-worker-") as tmp:
-        req, res, log = Path(tmp, "request.json"), Path(tmp, "result.json"), Path(tmp, "stderr.log")
-        req.write_text(json.dumps(request))
-        with open(log, "wb") as err:
-            spawned = time.time()
-            proc = subprocess.Popen(
-                [sys.executable, "-m", "kiln.compiler.worker", str(req), str(res)],
-                stdout=subprocess.PIPE,
-                stderr=err,
-                stdin=subprocess.DEVNULL,
-                env=worker_env(env),
-                text=True,
-                start_new_session=True,
-            )
-            try:
-                assert proc.stdout is not None
-                for line in proc.stdout:
-                    if on_event and line.startswith("{"):
-                        with contextlib.suppress(json.JSONDecodeError):
-                            on_event(json.loads(line))
-                proc.wait(timeout=timeout)
-            except BaseException:
-                # The leader is not reaped yet, so its group id cannot have been reused.
-                with contextlib.suppress(ProcessLookupError):
-                    os.killpg(proc.pid, signal.SIGKILL)
-                proc.wait()
-                raise
+        folder = Path(tmp)
+        (folder / "request.json").write_text(request.model_dump_json())
+        spawned, returncode = _spawn(folder, worker_env(env), on_event, heartbeat_s, timeout)
         ended = time.time()
-        log_text = log.read_text(errors="replace")
-        result = json.loads(res.read_text()) if res.exists() else None
-    if result is None:
-        tail = "\n".join(log_text.strip().splitlines()[-15:])
-        raise WorkerError(f"worker {_death(proc.returncode)}:\n{tail}")
-    if not result.get("ok"):
-        if result.get("kind") == "spec":
-            raise error_at(spec, result["key"], result["message"])
-        if result.get("kind") == "incompatible":
-            raise IncompatibleError(result["message"])
-        tail = "\n".join(log_text.strip().splitlines()[-15:])
-        raise WorkerError(f"{result.get('message')}\n{tail}".strip())
-    return WorkerRun(result=result, spawned=spawned, ended=ended, log=log_text)
+        log = (folder / "stderr.log").read_text(errors="replace")
+        outcome = _outcome(folder / "outcome.json")
+    if outcome is None:
+        raise WorkerError(f"worker {_death(returncode)}:\n{_tail(log)}")
+    if outcome.failure is not None:
+        raise _error(spec, outcome.failure, log)
+    assert outcome.result is not None  # WorkerOutcome holds one of the two
+    return WorkerRun(result=outcome.result, spawned=spawned, ended=ended, log=log)
+
+
+def _outcome(path: Path) -> WorkerOutcome | None:
+    """What the worker left; None when it died before writing it."""
+    return WorkerOutcome.model_validate_json(path.read_bytes()) if path.exists() else None
+
+
+def _spawn(
+    folder: Path,
+    env: dict[str, str],
+    on_event: EventSink | None,
+    heartbeat_s: float | None,
+    timeout: float | None,
+) -> tuple[float, int]:
+    """Run the worker on ``folder``'s request, relaying its events; (start epoch, exit code)."""
+    with open(folder / "stderr.log", "wb") as err:
+        spawned = time.time()
+        proc = subprocess.Popen(
+            [
+                sys.executable,
+                "-m",
+                "kiln.compiler.worker",
+                str(folder / "request.json"),
+                str(folder / "outcome.json"),
+            ],
+            stdout=subprocess.PIPE,
+            stderr=err,
+            stdin=subprocess.DEVNULL,
+            env=env,
+            start_new_session=True,
+        )
+        try:
+            assert proc.stdout is not None
+            relay_events(proc.stdout, on_event or ignore, heartbeat_s)
+            return spawned, proc.wait(timeout=timeout)
+        except BaseException:
+            # The leader is not reaped yet, so its group id cannot have been reused.
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+            raise
+        finally:
+            proc.stdout.close()
+
+
+def relay_events(stream: IO[bytes], on_event: EventSink, heartbeat_s: float | None) -> None:
+    """Pass the worker's events from ``stream`` to ``on_event`` until the worker closes it.
+
+    Lines that are not events (a model that prints) are skipped. While nothing arrives for
+    ``heartbeat_s`` seconds (None: never), send a :class:`Heartbeat` naming the step the worker
+    is in and how long it has been in it.
+    """
+    fd, pending = stream.fileno(), b""
+    activity = _Activity()
+    last = time.monotonic()
+    with selectors.DefaultSelector() as selector:
+        selector.register(fd, selectors.EVENT_READ)
+        while True:
+            wait = None if heartbeat_s is None else max(0.0, last + heartbeat_s - time.monotonic())
+            if not selector.select(wait):
+                on_event(activity.heartbeat())
+                last = time.monotonic()
+                continue
+            chunk = os.read(fd, 1 << 16)
+            if not chunk:
+                return
+            *lines, pending = (pending + chunk).split(b"\n")
+            for line in lines:
+                event = _parse(line)
+                if event is not None:
+                    activity.saw(event)
+                    last = time.monotonic()
+                    on_event(event)
+
+
+def _parse(line: bytes) -> WorkerEvent | None:
+    if not line.startswith(b"{"):
+        return None
+    try:
+        return WORKER_EVENTS.validate_json(line)
+    except ValidationError:
+        return None
+
+
+class _Activity:
+    """What the worker is doing, as far as its last event says: a heartbeat's words."""
+
+    def __init__(self) -> None:
+        self.what, self.since = "start-up (import torch, build the model)", time.monotonic()
+        self.buckets = 0
+
+    def saw(self, event: WorkerEvent) -> None:
+        if isinstance(event, WorkerStarted):
+            self.buckets = event.buckets
+            self._now("first pass")
+        elif isinstance(event, BucketStarted):
+            self._now(f"{event.key}: {'first call' if event.phase == 'first' else 'warm calls'}")
+        elif isinstance(event, FirstPassDone):
+            self._now("warm pass")
+        elif isinstance(event, BucketDone) and event.phase == "warm":
+            last = event.index + 1 == self.buckets
+            self._now("saving caches" if last else f"after {event.key}")
+
+    def _now(self, what: str) -> None:
+        self.what, self.since = what, time.monotonic()
+
+    def heartbeat(self) -> Heartbeat:
+        return Heartbeat(what=self.what, elapsed_s=time.monotonic() - self.since)
+
+
+def _error(spec: Spec, failure: WorkerFailure, log: str) -> KilnError:
+    """kiln's error for what the worker reported."""
+    if failure.kind == "spec":
+        return error_at(spec, failure.key or "", failure.message)
+    if failure.kind == "incompatible":
+        return IncompatibleError(failure.message)
+    return WorkerError(f"{failure.message}\n{_tail(log)}".strip())
+
+
+def _tail(log: str) -> str:
+    return "\n".join(log.strip().splitlines()[-_LOG_TAIL:])
 
 
 def _death(returncode: int) -> str:

@@ -17,11 +17,13 @@ from typing import Any
 from kiln.artifact.archive import read_manifest
 from kiln.artifact.manifest import BucketStats, Manifest
 from kiln.compiler.check import CheckReport, compare_manifest
-from kiln.compiler.launch import EventSink, run_worker
+from kiln.compiler.launch import run_worker
+from kiln.compiler.protocol import WorkerRequest
 from kiln.errors import NotFoundError
+from kiln.events import EventSink
 from kiln.files import atomic_write
 from kiln.grid import expand, ordered
-from kiln.serving import INDUCTOR_DIR, cache_env
+from kiln.serving import INDUCTOR_DIR, cache_env, served_torch_kwargs
 from kiln.spec import Spec, load_spec
 
 
@@ -94,14 +96,19 @@ def explain(bucket: BucketStats, factors: str = "") -> str:
     return f"{b.key}: {b.compiles} compile(s): {what} ({hint})"
 
 
-def served_request(cache: Path, manifest: Manifest) -> dict[str, Any]:
-    """What a worker needs to serve from the restored folder ``cache`` as a pod would (its
-    environment is :func:`~kiln.serving.cache_env`): verify and bench share this."""
-    return {
-        "cache_root": str(cache / INDUCTOR_DIR),
-        "precompile_load": str(cache / manifest.precompiled) if manifest.precompiled else None,
-        "torch_kwargs": manifest.torch_kwargs(),
-    }
+def served_request(cache: Path, manifest: Manifest, order: list[str], calls: int) -> WorkerRequest:
+    """A pass that serves ``order`` from the restored folder ``cache`` as a pod would (its
+    environment is :func:`~kiln.serving.cache_env`), timing a fresh first request and the steady
+    latency of each bucket: verify and bench share this."""
+    return WorkerRequest(
+        order=order,
+        torch_kwargs=served_torch_kwargs(manifest),
+        calls=calls,
+        steady_calls=10,
+        first_request=True,
+        cache_root=str(cache / INDUCTOR_DIR),
+        precompile_load=str(cache / manifest.precompiled) if manifest.precompiled else None,
+    )
 
 
 def verify(
@@ -120,43 +127,35 @@ def verify(
     if not (cache / INDUCTOR_DIR).is_dir():
         raise NotFoundError(f"{cache}: no {INDUCTOR_DIR}/ folder (restore an artifact there first)")
     manifest = read_manifest(cache)
-    buckets = ordered(expand(spec), order, seed)
-    run = run_worker(
-        spec,
-        {
-            "order": [b.key for b in buckets],
-            "calls": spec.warmup.calls,
-            **served_request(cache, manifest),
-            "first_request": True,
-            "steady_calls": 10,
-            "fingerprint": True,
-            "device_index": device_index,
-        },
-        cache_env(cache, manifest.env),
-        on_event=on_event,
+    order_keys = [b.key for b in ordered(expand(spec), order, seed)]
+    request = served_request(cache, manifest, order_keys, spec.warmup.calls).replace(
+        fingerprint=True, device_index=device_index
     )
-    stats = [BucketStats.model_validate(b) for b in run.result["buckets"]]
-    for b in stats:
-        if b.compiles == 0:
-            b.recompile_reasons = []  # a re-trace that hit the cache is how a fresh process works
-    check = (
-        compare_manifest(manifest, run.result["fingerprint"]) if run.result["fingerprint"] else None
-    )
+    run = run_worker(spec, request, cache_env(cache, manifest.env), on_event=on_event)
+    fingerprint = run.result.fingerprint
     report = VerifyReport(
         name=manifest.name,
-        order=[b.key for b in buckets],
-        buckets=stats,
-        check=check,
+        order=order_keys,
+        # A re-trace that hit the cache is how a fresh process works: no reason to show.
+        buckets=[
+            b if b.compiles else b.model_copy(update={"recompile_reasons": []})
+            for b in run.result.buckets
+        ],
+        check=compare_manifest(manifest, fingerprint) if fingerprint else None,
         time_to_ready_s=run.time_to_ready,
         time_to_warm_s=run.time_to_warm,
         spec_matches=spec.sha256() == manifest.spec_sha256,
-        extra={"precompile_load_s": run.result.get("precompile_load_s")},
+        extra={"precompile_load_s": run.result.precompile_load_s},
     )
     if ready_file is not None:
-        ready = Path(ready_file)
-        if report.ok:
-            with atomic_write(ready) as fh:
-                fh.write(json.dumps(report.to_dict(), indent=2).encode())
-        else:
-            ready.unlink(missing_ok=True)
+        _mark_ready(Path(ready_file), report)
     return report
+
+
+def _mark_ready(ready: Path, report: VerifyReport) -> None:
+    """Write the readiness file (atomically) when the report is ok; remove a stale one if not."""
+    if not report.ok:
+        ready.unlink(missing_ok=True)
+        return
+    with atomic_write(ready) as fh:
+        fh.write(json.dumps(report.to_dict(), indent=2).encode())

@@ -1,23 +1,25 @@
-"""The grid runner: runs a spec's buckets through torch.compile in *this* (fresh) process.
+"""The grid worker: one pass over a spec's buckets through torch.compile, in *this* process.
 
 kiln never compiles in the caller's process. Torch reads its cache locations and much of its
 Inductor config from the environment at import time, and keeps in-memory caches that would turn
 a cold compile into a fake hit, so bake, verify and bench each start
-``python -m kiln.compiler.worker`` with exactly the environment they mean and read back what it
-did. The same loop serves all three so that "what bake compiled" and "what verify hit" are
-measured the same way.
+``python -m kiln.compiler.worker`` in a fresh interpreter (:mod:`kiln.compiler.launch`) with
+exactly the environment they mean and read back what it did. The same pass serves all three, so
+"what bake compiled" and "what verify hit" are measured the same way: each bucket's first call
+and warm calls, as :class:`~kiln.compiler.counters.CompileCounters` differences plus the files
+added to the cache root.
 
-Protocol: argv is ``REQUEST.json RESULT.json``; progress goes to stdout as JSON lines; the
-result (or the error) is written to RESULT.json; everything torch prints goes to stderr, which
-the parent keeps in a log.
+Protocol (:mod:`kiln.compiler.protocol`): argv is ``REQUEST.json OUTCOME.json``; progress goes
+to stdout as one :mod:`kiln.events` event per JSON line; the outcome (a result or a failure) is
+written to OUTCOME.json; everything torch prints goes to stderr, which the parent keeps in a log.
 """
 
 from __future__ import annotations
 
 import contextlib
+import functools
 import importlib
 import inspect
-import json
 import logging
 import math
 import os
@@ -26,20 +28,35 @@ import statistics
 import sys
 import time
 import traceback
+from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any, TypeVar
 
-from kiln.compiler.capture import AUTOTUNE_SUFFIXES, NATIVE_SUFFIXES, snapshot
+from kiln.artifact.manifest import BucketStats
+from kiln.compiler.capture import snapshot
+from kiln.compiler.counters import BucketCompiles, CompileCounters
+from kiln.compiler.protocol import (
+    MegacacheInfo,
+    WorkerFailure,
+    WorkerOutcome,
+    WorkerRequest,
+    WorkerResult,
+)
+from kiln.events import BucketDone, BucketStarted, FirstPassDone, WorkerEvent, WorkerStarted
 from kiln.grid import Bucket, expand
 from kiln.spec import Spec, load_spec
 
+if TYPE_CHECKING:
+    from kiln.compiler.precompile import PrecompiledForward
+
 _START = time.time()
-_NEW_FILES_SAMPLE = 12
-_COMPILED_SUFFIXES = (*NATIVE_SUFFIXES, *AUTOTUNE_SUFFIXES)
+_T = TypeVar("_T")
 
 
-def _emit(event: str, **data: Any) -> None:
-    sys.stdout.write(json.dumps({"event": event, "t": time.time(), **data}) + "\n")
+def _emit(event: WorkerEvent) -> None:
+    """One progress event as a JSON line on stdout, which the parent reads as it comes."""
+    sys.stdout.write(event.model_dump_json() + "\n")
     sys.stdout.flush()
 
 
@@ -52,24 +69,6 @@ class _RecompileLog(logging.Handler):
 
     def emit(self, record: logging.LogRecord) -> None:
         self.messages.append(record.getMessage())
-
-
-def _counters() -> dict[str, dict[str, int]]:
-    from torch._dynamo.utils import counters
-
-    return {k: dict(v) for k, v in counters.items()}
-
-
-def _compile_seconds() -> float:
-    from torch._dynamo.utils import compilation_time_metrics
-
-    return float(sum(compilation_time_metrics.get("_compile.compile_inner", [])))
-
-
-def _delta(
-    before: dict[str, dict[str, int]], after: dict[str, dict[str, int]], group: str, key: str
-) -> int:
-    return after.get(group, {}).get(key, 0) - before.get(group, {}).get(key, 0)
 
 
 def resolve_factory(spec: Spec) -> Any:
@@ -258,43 +257,111 @@ def _is_allocation_error(exc: BaseException) -> bool:
     )
 
 
-def run(request: dict[str, Any]) -> dict[str, Any]:
+def run(request: WorkerRequest) -> WorkerResult:
+    """One grid pass as ``request`` asks: the model built, then every bucket's first call, then
+    its warm calls, each bucket measured; then the caches saved and the environment recorded."""
     import_start = time.time()
     import torch
 
     torch_import_s = time.time() - import_start
-    spec = load_spec(request["spec_path"])
-    device_index = int(request.get("device_index", 0))
-    device = torch.device(spec.model.device, device_index if spec.model.device == "cuda" else None)
-    if device.type == "cuda":
-        if not torch.cuda.is_available():
-            build = f"CUDA {torch.version.cuda}" if torch.version.cuda else "no CUDA support"
-            visible = os.environ.get("CUDA_VISIBLE_DEVICES")
-            hidden = "" if visible is None else f"; CUDA_VISIBLE_DEVICES={visible!r}"
-            raise _SpecProblem(
-                "model.device",
-                f"device: cuda, but torch sees no CUDA device here (torch {torch.__version__} "
-                f"with {build}{hidden})",
-            )
-        torch.cuda.set_device(device)
-    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
-    cache_root = Path(request["cache_root"]) if request.get("cache_root") else None
-
-    megacache: dict[str, Any] = {}
-    if request.get("megacache_load"):
-        blob = Path(request["megacache_load"]).read_bytes()
-        info = torch.compiler.load_cache_artifacts(blob)
-        megacache["loaded"] = info is not None
-        megacache["entries"] = _cache_info_counts(info)
-
+    spec = load_spec(request.spec_path)
+    device = _setup_device(spec, request.device_index)
+    loaded = _load_megacache(request.megacache_load)
     buckets = {b.key: b for b in expand(spec)}
-    order = [buckets[k] for k in request["order"]]
-    torch._dynamo.config.recompile_limit = max(8, 2 * len(buckets) + 2)
-    torch._dynamo.config.accumulated_recompile_limit = max(256, 8 * len(buckets))
+    recompiles = _watch_recompiles(len(buckets), compiling=request.torch_kwargs is not None)
+    model = _build_model(spec, device)
+    forward = _forward(request, spec, model, _synchronizer(device))
+    model_ready = time.time()
+    _emit(WorkerStarted(buckets=len(request.order), torch_import_s=torch_import_s))
+    grid = _Grid(
+        spec=spec,
+        device=device,
+        seeds={key: i for i, key in enumerate(buckets)},
+        forward=forward,
+        meter=_Meter(request.cache_root, recompiles, forward),
+    )
+    order = [buckets[k] for k in request.order]
+    with torch.inference_mode():
+        firsts = grid.first_pass(order)
+        first_pass_done = time.time()
+        _emit(FirstPassDone())
+        warms = grid.warm_pass(order, request, calls=_calls(request, spec))
+    warm_done = time.time()
+    saved = _save_caches(request, forward)
+    return WorkerResult(
+        buckets=[_bucket_stats(b, firsts[b.key], warms[b.key]) for b in order],
+        process_start=_START,
+        torch_import_s=torch_import_s,
+        model_ready=model_ready,
+        precompile_load_s=forward.load_s,
+        first_pass_done=first_pass_done,
+        warm_done=warm_done,
+        megacache=MegacacheInfo(
+            loaded=loaded.loaded,
+            saved=saved.saved,
+            entries=saved.entries if saved.saved else loaded.entries,
+        ),
+        fingerprint=_fingerprint(request, spec),
+    )
+
+
+# --- the steps of a pass ---------------------------------------------------------------------
+def _setup_device(spec: Spec, index: int) -> Any:
+    """The spec's device (``cuda`` means ``cuda:INDEX``), made current; a GPU torch cannot see
+    is the spec's problem at ``model.device``, said with what torch was built with."""
+    import torch
+
+    device = torch.device(spec.model.device, index if spec.model.device == "cuda" else None)
+    if device.type != "cuda":
+        return device
+    if not torch.cuda.is_available():
+        build = f"CUDA {torch.version.cuda}" if torch.version.cuda else "no CUDA support"
+        visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+        hidden = "" if visible is None else f"; CUDA_VISIBLE_DEVICES={visible!r}"
+        raise _SpecProblem(
+            "model.device",
+            f"device: cuda, but torch sees no CUDA device here (torch {torch.__version__} "
+            f"with {build}{hidden})",
+        )
+    torch.cuda.set_device(device)
+    return device
+
+
+def _synchronizer(device: Any) -> Callable[[], None]:
+    """What makes a timed call end when the device is done, not when the launch returns."""
+    import torch
+
+    return torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+
+
+def _load_megacache(path: str | None) -> MegacacheInfo:
+    """Hot-load a Mega-Cache blob before anything compiles (bench's ``megacache`` modes)."""
+    if not path:
+        return MegacacheInfo()
+    import torch
+
+    info = torch.compiler.load_cache_artifacts(Path(path).read_bytes())
+    return MegacacheInfo(loaded=info is not None, entries=_cache_info_counts(info))
+
+
+def _watch_recompiles(buckets: int, *, compiling: bool) -> _RecompileLog:
+    """Room for the whole grid under Dynamo's recompile limits (past them torch silently runs
+    eager), and torch's own words for every recompile, kept for verify's reasons."""
+    import torch
+
+    torch._dynamo.config.recompile_limit = max(8, 2 * buckets + 2)
+    torch._dynamo.config.accumulated_recompile_limit = max(256, 8 * buckets)
     recompiles = _RecompileLog()
-    if request.get("compile", True):
+    if compiling:
         torch._logging.set_logs(recompiles=True)
         logging.getLogger("torch._dynamo.guards.__recompiles").addHandler(recompiles)
+    return recompiles
+
+
+def _build_model(spec: Spec, device: Any) -> Any:
+    """The factory's model on the spec's device and dtype, in eval mode, checked against the
+    inputs; each failure is the spec's, at the key that caused it."""
+    import torch
 
     check_input_memory(spec, device)
     factory = resolve_factory(spec)
@@ -317,195 +384,214 @@ def run(request: dict[str, Any]) -> dict[str, Any]:
                 kwargs_key, f"the model does not fit on {device}: {_one_line(exc)}"
             ) from exc
     check_call(model, spec)
-    sync()  # the start-up figure includes moving the weights to the device
-    precompiled, precompile_load_s = _precompiled(request, spec, model)
-    if precompiled is not None:
-        fn: Any = precompiled
-    elif request.get("compile", True):
-        kwargs = _torch_kwargs(request, spec)
-        try:
-            fn = torch.compile(model, **kwargs)
-        except RuntimeError as exc:  # torch checks the backend and option names here
-            key = "compile.backend" if "backend" in str(exc).lower() else "compile.options"
-            message = _one_line(exc).split(", known options are")[0]
-            raise _SpecProblem(key, f"torch.compile refused it: {message}") from exc
-    else:
-        fn = model
-    building = precompiled is not None and bool(request.get("precompile_save"))
-    call_kwargs = dict(spec.model.call_kwargs)
-    grid_index = {k: i for i, k in enumerate(buckets)}
-    calls = max(int(request.get("calls", 2)), 3 if spec.compile.cudagraphs else 1)
-    steady_calls = int(request.get("steady_calls", 5))
-    model_ready_t = time.time()
-    _emit("start", buckets=len(order), torch_import_s=torch_import_s)
+    return model
 
-    stats: dict[str, dict[str, Any]] = {}
 
-    def timed_call(inputs: dict[str, Any]) -> float:
-        sync()
+@dataclass
+class _Forward:
+    """The callable a pass times: the compiled model, precompiled forwards, or the eager model."""
+
+    fn: Callable[..., Any]
+    call_kwargs: dict[str, Any]
+    sync: Callable[[], None]
+    precompiled: PrecompiledForward | None = None
+    building: bool = False  # a precompile bake: each bucket compiles ahead of its first call
+    load_s: float | None = None  # time to load precompiled forwards
+
+    def timed(self, inputs: dict[str, Any]) -> float:
+        self.sync()
         t0 = time.perf_counter()
-        fn(**inputs, **call_kwargs)
-        sync()
+        self.fn(**inputs, **self.call_kwargs)
+        self.sync()
         return time.perf_counter() - t0
 
-    def misses() -> int:
-        return precompiled.misses if precompiled is not None else 0
+    def first(self, inputs: dict[str, Any]) -> float:
+        """A bucket's first call; a precompile bake counts the ahead-of-time compile in it."""
+        if not self.building:
+            return self.timed(inputs)
+        assert self.precompiled is not None
+        t0 = time.perf_counter()
+        self.precompiled.add(**inputs, **self.call_kwargs)
+        self.timed(inputs)
+        return time.perf_counter() - t0
 
-    def measure(body: Any) -> dict[str, Any]:
-        before, c0, n0 = _counters(), _compile_seconds(), len(recompiles.messages)
-        files0 = snapshot(cache_root) if cache_root else set()
-        p0 = misses()
-        result = body()
-        after = _counters()
-        new = (snapshot(cache_root) - files0) if cache_root else set()
-        bundled = _delta(before, after, "inductor", "triton_bundler_read_and_emit_kernel")
-        compiled_files = sorted(n for n in new if n.endswith(_COMPILED_SUFFIXES))
-        fx_compiled = _delta(before, after, "inductor", "fxgraph_cache_miss") + _delta(
-            before, after, "inductor", "fxgraph_cache_bypass"
-        )
-        return {
-            "result": result,
-            "compile_s": _compile_seconds() - c0,
-            "fx_hits": _delta(before, after, "inductor", "fxgraph_cache_hit"),
-            "fx_misses": _delta(before, after, "inductor", "fxgraph_cache_miss"),
-            "fx_bypass": _delta(before, after, "inductor", "fxgraph_cache_bypass"),
-            "aot_hits": _delta(before, after, "aot_autograd", "autograd_cache_hit"),
-            "aot_misses": _delta(before, after, "aot_autograd", "autograd_cache_miss"),
-            "kernel_loads": _delta(before, after, "inductor", "async_compile_cache_miss"),
-            "bundled_kernels": bundled,
-            "new_native": max(0, sum(1 for n in new if n.endswith(NATIVE_SUFFIXES)) - bundled),
-            # An FX cache hit *replays* the inductor counters its compile recorded
-            # (CompiledFxGraph.counter_deltas), GEMM autotuning included: count that one only
-            # when a graph really compiled. Coordinate-descent benchmarks run at call time and
-            # are never replayed.
-            "autotunes": (
-                _delta(before, after, "inductor", "select_algorithm_autotune") if fx_compiled else 0
-            )
-            + _delta(before, after, "inductor", "coordesc_tuning_bench")
-            + sum(1 for n in new if n.endswith(AUTOTUNE_SUFFIXES)),
-            "unique_graphs": _delta(before, after, "stats", "unique_graphs"),
-            "graph_breaks": sum(after.get("graph_break", {}).values())
-            - sum(before.get("graph_break", {}).values()),
-            "recompile_reasons": recompiles.messages[n0:],
-            "precompile_misses": misses() - p0,
-            "new_files": compiled_files[:_NEW_FILES_SAMPLE],
-        }
-
-    def add(into: dict[str, Any], more: dict[str, Any]) -> None:
-        for k, v in more.items():
-            if k == "result":
-                continue
-            into[k] = into.get(k, [] if isinstance(v, list) else 0) + v
-        into["new_files"] = into["new_files"][:_NEW_FILES_SAMPLE]
-
-    with torch.inference_mode():
-        # Phase 1: every bucket once, in request order. "Ready" in bench terms ends here.
-        for i, bucket in enumerate(order):
-            seed = grid_index[bucket.key]
-            inputs = make_inputs(spec, bucket, device, seed)
-
-            def first(inputs: dict[str, Any] = inputs) -> float:
-                if not building:
-                    return timed_call(inputs)
-                # A precompile bake compiles the bucket ahead of its first call: count both.
-                t0 = time.perf_counter()
-                precompiled.add(**inputs, **call_kwargs)
-                timed_call(inputs)
-                return time.perf_counter() - t0
-
-            m = measure(first)
-            stats[bucket.key] = {
-                "key": bucket.key,
-                "sizes": bucket.as_dict(),
-                "first_call_s": m["result"],
-            }
-            add(stats[bucket.key], m)
-            _emit("bucket", phase="first", index=i, key=bucket.key, first_call_s=m["result"])
-        first_pass_t = time.time()
-        _emit("first_pass_done")
-        # Phase 2: the remaining warmup calls (CUDA graphs record here), then a fresh "first real
-        # request" and the steady-state latency. Compiles here count too: a bucket that
-        # recompiles on its second call is not warm.
-        for i, bucket in enumerate(order):
-            seed = grid_index[bucket.key]
-            inputs = make_inputs(spec, bucket, device, seed)
-
-            def warm(
-                inputs: dict[str, Any] = inputs, bucket: Bucket = bucket
-            ) -> tuple[float | None, float]:
-                for _ in range(calls - 1):
-                    timed_call(inputs)
-                first_request = None
-                if request.get("first_request", False):
-                    fresh = make_inputs(spec, bucket, device, 10_000 + grid_index[bucket.key])
-                    first_request = timed_call(fresh)
-                steady = statistics.median(timed_call(inputs) for _ in range(max(1, steady_calls)))
-                return first_request, steady
-
-            m = measure(warm)
-            s = stats[bucket.key]
-            s["first_request_s"], s["steady_s"] = m["result"]
-            add(s, m)
-            _emit("bucket", phase="warm", index=i, key=bucket.key, steady_s=s["steady_s"])
-    warm_t = time.time()
-
-    if building:
-        blob = precompiled.to_bytes()
-        Path(request["precompile_save"]).write_bytes(blob)
-    if request.get("megacache_save"):
-        saved = torch.compiler.save_cache_artifacts()
-        if saved is not None:
-            Path(request["megacache_save"]).write_bytes(saved[0])
-            megacache["saved"] = True
-            megacache["entries"] = _cache_info_counts(saved[1])
-        else:
-            megacache["saved"] = False
-
-    fp = None
-    if request.get("fingerprint"):
-        from kiln.compiler.fingerprint import fingerprint
-
-        fp = fingerprint(spec.model.device, device_index=device_index)
-    return {
-        "buckets": [stats[b.key] for b in order],
-        "process_start": _START,
-        "torch_import_s": torch_import_s,
-        "model_ready": model_ready_t,
-        "precompile_load_s": precompile_load_s,
-        "first_pass_done": first_pass_t,
-        "warm_done": warm_t,
-        "megacache": megacache,
-        "fingerprint": fp,
-    }
+    @property
+    def misses(self) -> int:
+        """Calls no precompiled forward accepted so far (each one compiled)."""
+        return self.precompiled.misses if self.precompiled is not None else 0
 
 
-def _torch_kwargs(request: dict[str, Any], spec: Spec) -> dict[str, Any]:
-    """What the caller asked for (a bake pass, or what the artifact recorded), else the spec's."""
-    return request.get("torch_kwargs") or spec.compile.torch_kwargs()
+def _forward(request: WorkerRequest, spec: Spec, model: Any, sync: Callable[[], None]) -> _Forward:
+    """Compile ``model`` with exactly ``request.torch_kwargs`` (None: eager), or build or load
+    precompiled forwards with them. Synchronizes first: start-up includes moving the weights."""
+    sync()
+    call_kwargs = dict(spec.model.call_kwargs)
+    kwargs = request.torch_kwargs
+    if request.precompile_save or request.precompile_load:
+        assert kwargs is not None  # WorkerRequest's own rule
+        precompiled, load_s = _precompiled(request, model, kwargs)
+        building = bool(request.precompile_save)
+        return _Forward(precompiled, call_kwargs, sync, precompiled, building, load_s)
+    if kwargs is None:
+        return _Forward(model, call_kwargs, sync)
+    import torch
+
+    try:
+        return _Forward(torch.compile(model, **kwargs), call_kwargs, sync)
+    except RuntimeError as exc:  # torch checks the backend and option names here
+        key = "compile.backend" if "backend" in str(exc).lower() else "compile.options"
+        message = _one_line(exc).split(", known options are")[0]
+        raise _SpecProblem(key, f"torch.compile refused it: {message}") from exc
 
 
-def _precompiled(request: dict[str, Any], spec: Spec, model: Any) -> tuple[Any, float | None]:
-    """The precompiled forward this run builds (bake) or loads (serve), with its load time."""
-    save, load = request.get("precompile_save"), request.get("precompile_load")
-    if not (save or load):
-        return None, None
+def _precompiled(
+    request: WorkerRequest, model: Any, kwargs: dict[str, Any]
+) -> tuple[PrecompiledForward, float | None]:
+    """The precompiled forward this pass builds (bake) or loads (serve), with its load time."""
     from kiln.compiler.precompile import PrecompiledForward, unsupported_reason
 
     reason = unsupported_reason()
     if reason:
         raise _SpecProblem("compile.precompile", reason)
-    kwargs = _torch_kwargs(request, spec)
-    if save:
+    if request.precompile_save:
         return PrecompiledForward.empty(model, kwargs), None
+    assert request.precompile_load is not None
     t0 = time.time()
     try:
-        loaded = PrecompiledForward.load(model, kwargs, Path(load).read_bytes())
+        loaded = PrecompiledForward.load(model, kwargs, Path(request.precompile_load).read_bytes())
     except Exception as exc:  # torch's checks raise assorted types
         raise _Incompatible(
             f"this torch refuses the precompiled forwards ({type(exc).__name__}: {exc}); "
             "`kiln check` names the factor that differs"
         ) from exc
     return loaded, time.time() - t0
+
+
+class _Meter:
+    """Measures what one step compiled: the difference in torch's counters, the recompiles
+    torch logged, the precompiled-forward misses, and the files it added to the cache root."""
+
+    def __init__(
+        self, cache_root: str | None, recompiles: _RecompileLog, forward: _Forward
+    ) -> None:
+        self.root = Path(cache_root) if cache_root else None
+        self.recompiles, self.forward = recompiles, forward
+
+    def _files(self) -> set[str]:
+        return snapshot(self.root) if self.root else set()
+
+    def measure(self, step: Callable[[], _T]) -> tuple[_T, BucketCompiles]:
+        before, files = CompileCounters.read(), self._files()
+        logged, missed = len(self.recompiles.messages), self.forward.misses
+        value = step()
+        compiles = BucketCompiles.of(
+            CompileCounters.read() - before,
+            self._files() - files,
+            recompile_reasons=self.recompiles.messages[logged:],
+            precompile_misses=self.forward.misses - missed,
+        )
+        return value, compiles
+
+
+@dataclass
+class _Grid:
+    """The two phases of a pass over the grid, each bucket measured by ``meter``."""
+
+    spec: Spec
+    device: Any
+    seeds: dict[str, int]  # a bucket's inputs are seeded by its place in the grid, not the order
+    forward: _Forward
+    meter: _Meter
+
+    def first_pass(self, order: list[Bucket]) -> dict[str, tuple[float, BucketCompiles]]:
+        """Phase 1: every bucket once, in request order. "Ready" in bench terms ends here."""
+        out: dict[str, tuple[float, BucketCompiles]] = {}
+        for i, bucket in enumerate(order):
+            inputs = make_inputs(self.spec, bucket, self.device, self.seeds[bucket.key])
+            _emit(BucketStarted(phase="first", index=i, key=bucket.key))
+            seconds, compiles = self.meter.measure(functools.partial(self.forward.first, inputs))
+            out[bucket.key] = (seconds, compiles)
+            _emit(BucketDone(phase="first", index=i, key=bucket.key, seconds=seconds))
+        return out
+
+    def warm_pass(
+        self, order: list[Bucket], request: WorkerRequest, *, calls: int
+    ) -> dict[str, tuple[float | None, float, BucketCompiles]]:
+        """Phase 2: the remaining warmup calls (CUDA graphs record here), then a fresh "first
+        real request" and the steady-state latency. Compiles here count too: a bucket that
+        recompiles on its second call is not warm."""
+        out: dict[str, tuple[float | None, float, BucketCompiles]] = {}
+        for i, bucket in enumerate(order):
+            seed = self.seeds[bucket.key]
+            inputs = make_inputs(self.spec, bucket, self.device, seed)
+            fresh = None
+            if request.first_request:
+                fresh = make_inputs(self.spec, bucket, self.device, 10_000 + seed)
+            _emit(BucketStarted(phase="warm", index=i, key=bucket.key))
+            warm = functools.partial(
+                self._warm_calls, inputs, fresh, calls - 1, request.steady_calls
+            )
+            (first_request, steady), compiles = self.meter.measure(warm)
+            out[bucket.key] = (first_request, steady, compiles)
+            _emit(BucketDone(phase="warm", index=i, key=bucket.key, seconds=steady))
+        return out
+
+    def _warm_calls(
+        self, inputs: dict[str, Any], fresh: dict[str, Any] | None, calls: int, steady_calls: int
+    ) -> tuple[float | None, float]:
+        for _ in range(calls):
+            self.forward.timed(inputs)
+        first_request = self.forward.timed(fresh) if fresh is not None else None
+        steady = statistics.median(self.forward.timed(inputs) for _ in range(steady_calls))
+        return first_request, steady
+
+
+def _calls(request: WorkerRequest, spec: Spec) -> int:
+    """Calls per bucket: a CUDA-graphed bucket needs a warm-up, a recording and a replay."""
+    return max(request.calls, 3 if spec.compile.cudagraphs else 1)
+
+
+def _bucket_stats(
+    bucket: Bucket,
+    first: tuple[float, BucketCompiles],
+    warm: tuple[float | None, float, BucketCompiles],
+) -> BucketStats:
+    first_call_s, first_compiles = first
+    first_request_s, steady_s, warm_compiles = warm
+    return BucketStats(
+        key=bucket.key,
+        sizes=bucket.as_dict(),
+        first_call_s=first_call_s,
+        steady_s=steady_s,
+        first_request_s=first_request_s,
+        **(first_compiles + warm_compiles).fields(),
+    )
+
+
+def _save_caches(request: WorkerRequest, forward: _Forward) -> MegacacheInfo:
+    """Write what this pass was asked to keep: the precompiled forwards it built, and torch's
+    Mega-Cache blob of everything compiled or loaded in this process."""
+    if forward.building and request.precompile_save:
+        assert forward.precompiled is not None
+        Path(request.precompile_save).write_bytes(forward.precompiled.to_bytes())
+    if not request.megacache_save:
+        return MegacacheInfo()
+    import torch
+
+    saved = torch.compiler.save_cache_artifacts()
+    if saved is None:
+        return MegacacheInfo(saved=False)
+    Path(request.megacache_save).write_bytes(saved[0])
+    return MegacacheInfo(saved=True, entries=_cache_info_counts(saved[1]))
+
+
+def _fingerprint(request: WorkerRequest, spec: Spec) -> dict[str, Any] | None:
+    """This process's environment fingerprint, when asked (it is what a manifest records)."""
+    if not request.fingerprint:
+        return None
+    from kiln.compiler.fingerprint import fingerprint
+
+    return fingerprint(spec.model.device, device_index=request.device_index)
 
 
 def _cache_info_counts(info: Any) -> dict[str, int]:
@@ -518,24 +604,26 @@ def _cache_info_counts(info: Any) -> dict[str, int]:
 
 
 def main(argv: list[str] | None = None) -> int:
+    """``python -m kiln.compiler.worker REQUEST.json OUTCOME.json``; exit codes as kiln's."""
     args = sys.argv[1:] if argv is None else argv
-    request_path, result_path = Path(args[0]), Path(args[1])
-    request = json.loads(request_path.read_text())
+    request_path, outcome_path = Path(args[0]), Path(args[1])
+    request = WorkerRequest.model_validate_json(request_path.read_text())
     try:
-        result = {"ok": True, **run(request)}
+        outcome = WorkerOutcome(result=run(request))
         code = 0
     except _Incompatible as exc:
         traceback.print_exc()
-        result = {"ok": False, "kind": "incompatible", "message": str(exc)}
+        outcome = WorkerOutcome(failure=WorkerFailure(kind="incompatible", message=str(exc)))
         code = 5
     except _SpecProblem as exc:
-        result = {"ok": False, "kind": "spec", "key": exc.key, "message": str(exc)}
+        outcome = WorkerOutcome(failure=WorkerFailure(kind="spec", key=exc.key, message=str(exc)))
         code = 2
     except Exception as exc:
         traceback.print_exc()
-        result = {"ok": False, "kind": "internal", "message": f"{type(exc).__name__}: {exc}"}
+        message = f"{type(exc).__name__}: {exc}"
+        outcome = WorkerOutcome(failure=WorkerFailure(kind="internal", message=message))
         code = 1
-    result_path.write_text(json.dumps(result))
+    outcome_path.write_text(outcome.model_dump_json())
     return code
 
 

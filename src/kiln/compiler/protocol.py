@@ -1,0 +1,114 @@
+"""The worker protocol: what a parent asks of ``python -m kiln.compiler.worker`` and what it gets.
+
+Bake, verify and bench all run a spec's grid in a fresh interpreter (see
+:mod:`kiln.compiler.worker` for why). The request and the outcome cross that process boundary as
+JSON files, and the progress events (:mod:`kiln.events`) as JSON lines on the worker's stdout, so
+each is a typed model shared by both sides: a field added or renamed is a validation error in the
+process that got it wrong, not a dict key silently read with a default. The parent gets the
+per-bucket measurements already parsed into :class:`~kiln.artifact.manifest.BucketStats`.
+Torch-free.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+from kiln.artifact.manifest import BucketStats
+
+
+class _Message(BaseModel):
+    # Both ends are the same kiln: an unknown field is a bug on one side, not a newer version.
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class WorkerRequest(_Message):
+    """One grid pass: which buckets in which order, compiled how, reading and writing what.
+
+    ``torch_kwargs`` is always the caller's decision (a bake pass's, or what an artifact
+    recorded): the worker never derives compile arguments from the spec itself.
+    """
+
+    spec_path: str = Field("", description="set by kiln.compiler.launch.run_worker")
+    order: list[str] = Field(description="bucket keys, in the order to call them")
+    torch_kwargs: dict[str, Any] | None = Field(
+        description="torch.compile(model, **torch_kwargs); None runs the model eagerly"
+    )
+    calls: int = Field(2, ge=1, description="calls per bucket (CUDA-graphed specs get >= 3)")
+    steady_calls: int = Field(5, ge=1, description="calls timed for the steady latency")
+    first_request: bool = Field(False, description="time one call with fresh inputs when warm")
+    cache_root: str | None = Field(None, description="watched for the files each bucket writes")
+    megacache_save: str | None = Field(None, description="write the Mega-Cache blob here")
+    megacache_load: str | None = Field(None, description="hot-load this Mega-Cache blob first")
+    precompile_save: str | None = Field(None, description="build precompiled forwards, save here")
+    precompile_load: str | None = Field(None, description="serve from these precompiled forwards")
+    fingerprint: bool = Field(False, description="record this process's environment fingerprint")
+    device_index: int = Field(0, ge=0)
+
+    @model_validator(mode="after")
+    def _precompile_compiles(self) -> WorkerRequest:
+        if (self.precompile_save or self.precompile_load) and self.torch_kwargs is None:
+            raise ValueError("precompiled forwards need torch_kwargs (they are compiled)")
+        if self.precompile_save and self.precompile_load:
+            raise ValueError("a pass either builds precompiled forwards or loads them")
+        return self
+
+    def replace(self, **changes: Any) -> WorkerRequest:
+        """A copy with ``changes``, validated again (``model_copy`` would not validate)."""
+        return WorkerRequest.model_validate({**self.model_dump(), **changes})
+
+
+class MegacacheInfo(_Message):
+    """What happened to torch's Mega-Cache blob in this pass (None: not asked)."""
+
+    loaded: bool | None = None
+    saved: bool | None = None
+    entries: dict[str, int] = Field(default_factory=dict, description="artifacts per cache kind")
+
+
+class WorkerResult(_Message):
+    """What one pass measured.
+
+    Times are wall-clock epochs, so the parent can subtract its own spawn time: time to ready
+    then includes the interpreter start and ``import torch``, as a pod's would.
+    """
+
+    buckets: list[BucketStats] = Field(description="in request order")
+    process_start: float
+    torch_import_s: float
+    model_ready: float = Field(description="model built and compiled or loaded, before any call")
+    precompile_load_s: float | None = None
+    first_pass_done: float = Field(description="every bucket has run once")
+    warm_done: float
+    megacache: MegacacheInfo = Field(default_factory=MegacacheInfo)
+    fingerprint: dict[str, Any] | None = None
+
+    @property
+    def compiles(self) -> int:
+        return sum(b.compiles for b in self.buckets)
+
+
+class WorkerFailure(_Message):
+    """An expected failure, mapped by the parent to kiln's exit codes.
+
+    ``spec``: the spec is at fault, at ``key`` (exit 2); ``incompatible``: this process cannot
+    use what was baked (exit 5); ``internal``: anything else (exit 1, with the log's tail).
+    """
+
+    kind: Literal["spec", "incompatible", "internal"]
+    message: str
+    key: str | None = Field(None, description="the spec key at fault (kind spec)")
+
+
+class WorkerOutcome(_Message):
+    """The file a worker leaves: exactly one of a result or a failure."""
+
+    result: WorkerResult | None = None
+    failure: WorkerFailure | None = None
+
+    @model_validator(mode="after")
+    def _one_of(self) -> WorkerOutcome:
+        if (self.result is None) == (self.failure is None):
+            raise ValueError("an outcome holds a result or a failure")
+        return self

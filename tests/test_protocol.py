@@ -1,0 +1,265 @@
+"""The worker protocol, its events and counters, the serving module's compile arguments, and
+progress as a piped log shows it (issue 16; issue 17 item 4)."""
+
+from __future__ import annotations
+
+import ast
+import io
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from pydantic import ValidationError
+from rich.console import Console
+
+import kiln
+from kiln.artifact.manifest import BucketStats
+from kiln.cli.output import Output
+from kiln.compiler.bench import ALL_MODES, EXTRA_MODES, MODES
+from kiln.compiler.counters import NEW_FILES_SAMPLE, BucketCompiles, CompileCounters
+from kiln.compiler.launch import HEARTBEAT_S, heartbeat_interval, relay_events
+from kiln.compiler.protocol import WorkerFailure, WorkerOutcome, WorkerRequest
+from kiln.errors import ExitCode, UsageError
+from kiln.events import (
+    WORKER_EVENTS,
+    BucketDone,
+    BucketStarted,
+    FirstPassDone,
+    Heartbeat,
+    ModeStarted,
+    WorkerStarted,
+)
+from kiln.serving import (
+    compile_env,
+    served_torch_kwargs,
+    torch_kwargs,
+    with_compile_threads,
+    worker_env,
+)
+from kiln.spec import load_spec
+from tests.archives import manifest_for
+from tests.conftest import ROOT, mlp_spec
+
+
+# --- the request, the outcome ------------------------------------------------------------------
+def test_worker_request_is_typed_and_always_carries_the_compile_arguments() -> None:
+    with pytest.raises(ValidationError, match="torch_kwargs"):
+        WorkerRequest(order=["batch=2"])  # type: ignore[call-arg]  # no default: the caller decides
+    eager = WorkerRequest(order=["batch=2"], torch_kwargs=None)
+    assert eager.calls == 2 and eager.cache_root is None
+    with pytest.raises(ValidationError, match="extra"):
+        WorkerRequest.model_validate({"order": [], "torch_kwargs": None, "compile": False})
+    with pytest.raises(ValidationError, match="need torch_kwargs"):
+        eager.replace(precompile_load="/x/precompiled.bin")
+    with pytest.raises(ValidationError):
+        eager.replace(calls=0)  # replace() validates; model_copy(update=...) would not
+    compiled = eager.replace(torch_kwargs={"backend": "inductor"}, precompile_save="/x/p.bin")
+    assert WorkerRequest.model_validate_json(compiled.model_dump_json()) == compiled
+
+
+def test_worker_outcome_holds_a_result_or_a_failure() -> None:
+    failure = WorkerFailure(kind="spec", key="model.kwargs", message="bad")
+    assert WorkerOutcome.model_validate_json(WorkerOutcome(failure=failure).model_dump_json())
+    with pytest.raises(ValidationError, match="a result or a failure"):
+        WorkerOutcome()
+    with pytest.raises(ValidationError):
+        WorkerFailure(kind="oops", message="x")  # type: ignore[arg-type]
+
+
+# --- counters ------------------------------------------------------------------------------------
+def test_compile_counters_subtract_and_read_torch() -> None:
+    after = CompileCounters(fx_misses=3, fx_bypass=1, gemm_autotunes=4, compile_s=2.5)
+    before = CompileCounters(fx_misses=1, compile_s=0.5)
+    diff = after - before
+    assert diff == CompileCounters(fx_misses=2, fx_bypass=1, gemm_autotunes=4, compile_s=2.0)
+    assert diff.graphs_compiled == 3
+    now = CompileCounters.read()  # torch's own counters, whatever this process compiled so far
+    assert now - now == CompileCounters()
+
+
+def test_bucket_compiles_count_what_a_step_built() -> None:
+    new = {
+        "fxgraph/ab/entry",
+        "triton/0/A/k1.cubin",
+        "triton/0/B/k2.cubin",
+        "xy/cxy.so",
+        "ab/k1.best_config",
+    }
+    # An FX hit replays the GEMM autotunes its compile recorded: not counted without a compile.
+    hit = BucketCompiles.of(CompileCounters(fx_hits=1, gemm_autotunes=5, bundled_kernels=2), new)
+    assert (hit.new_native, hit.autotunes) == (1, 1)  # 3 binaries, 2 bundled; 1 .best_config
+    assert hit.new_files == tuple(sorted(new - {"fxgraph/ab/entry"}))
+    miss = BucketCompiles.of(
+        CompileCounters(fx_misses=1, gemm_autotunes=5, coordesc_benchmarks=2),
+        set(),
+        recompile_reasons=["size mismatch"],
+        precompile_misses=1,
+    )
+    assert miss.autotunes == 7
+    both = hit + miss
+    assert both.recompile_reasons == ("size mismatch",) and both.precompile_misses == 1
+    stats = BucketStats(
+        key="batch=2", sizes={"batch": 2}, first_call_s=1, steady_s=0.1, **both.fields()
+    )
+    assert stats.compiles == 1 + 1 + 8 + 1  # FX miss, binary, autotunes, precompile miss
+    many = BucketCompiles(new_files=tuple(f"{i}.so" for i in range(10)))
+    assert len((many + many).new_files) == NEW_FILES_SAMPLE
+
+
+# --- events --------------------------------------------------------------------------------------
+def test_events_cross_the_process_boundary_typed() -> None:
+    for event in (
+        WorkerStarted(buckets=3, torch_import_s=1.5),
+        BucketStarted(phase="first", index=0, key="batch=2"),
+        BucketDone(phase="warm", index=2, key="batch=5", seconds=0.01),
+        FirstPassDone(),
+    ):
+        assert WORKER_EVENTS.validate_json(event.model_dump_json()) == event
+    assert ModeStarted(mode="kiln", run=2, runs=3).label == "kiln 2/3"
+    assert ModeStarted(mode="bake").label == "bake"
+
+
+def test_launch_relays_events_and_sends_heartbeats_while_the_worker_is_silent() -> None:
+    """A real child that starts a bucket, stays silent, prints a non-event, then finishes it."""
+    started = BucketStarted(phase="first", index=0, key="batch=2").model_dump_json()
+    done = BucketDone(phase="first", index=0, key="batch=2", seconds=0.6).model_dump_json()
+    child = (
+        "import sys, time\n"
+        f"print({started!r}, flush=True)\n"
+        "time.sleep(0.7)\n"
+        "print('{a model that prints json-ish text', flush=True)\n"
+        f"print({done!r}, flush=True)\n"
+    )
+    proc = subprocess.Popen([sys.executable, "-c", child], stdout=subprocess.PIPE)
+    assert proc.stdout is not None
+    events: list[object] = []
+    with proc.stdout:
+        relay_events(proc.stdout, events.append, heartbeat_s=0.2)
+    assert proc.wait() == 0
+    relayed = [e for e in events if not isinstance(e, Heartbeat)]
+    assert relayed == [  # the line that is no event is skipped
+        BucketStarted(phase="first", index=0, key="batch=2"),
+        BucketDone(phase="first", index=0, key="batch=2", seconds=0.6),
+    ]
+    # (A child slow to start on a loaded machine may add start-up beats before the bucket.)
+    beats = events[events.index(relayed[0]) + 1 : events.index(relayed[1])]
+    assert len(beats) >= 2 and {b.what for b in beats} == {"batch=2: first call"}
+    assert beats[-1].elapsed_s >= 0.5
+
+
+def test_heartbeat_interval_comes_from_the_environment(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("KILN_HEARTBEAT_S", raising=False)
+    assert heartbeat_interval() == HEARTBEAT_S == 15
+    monkeypatch.setenv("KILN_HEARTBEAT_S", "2.5")
+    assert heartbeat_interval() == 2.5
+    monkeypatch.setenv("KILN_HEARTBEAT_S", "0")
+    assert heartbeat_interval() is None  # off
+    for bad in ("soon", "-1", "nan", "inf"):
+        monkeypatch.setenv("KILN_HEARTBEAT_S", bad)
+        with pytest.raises(UsageError, match="KILN_HEARTBEAT_S"):
+            heartbeat_interval()
+
+
+def test_piped_progress_names_the_bucket_and_the_bench_mode() -> None:
+    out = Output()
+    stream = io.StringIO()
+    out.err = Console(file=stream, emoji=False, width=200)  # not a terminal: plain lines
+    with out.progress() as sink:
+        sink(ModeStarted(mode="kiln", run=2, runs=3))
+        sink(WorkerStarted(buckets=2))
+        sink(BucketStarted(phase="first", index=0, key="batch=2"))
+        sink(Heartbeat(what="batch=2: first call", elapsed_s=15.2))
+        sink(BucketDone(phase="first", index=0, key="batch=2", seconds=0.5))
+        sink(BucketStarted(phase="warm", index=0, key="batch=2"))
+        sink({"event": "fetched", "bytes": 1, "total": 2})  # restore's dicts still draw
+    assert stream.getvalue().splitlines() == [
+        "bench: kiln 2/3",
+        "  kiln 2/3 · batch=2: start (1/2)",
+        "  kiln 2/3 · still running: batch=2: first call (15 s)",
+        "  kiln 2/3 · batch=2: first call 0.50s",
+    ]
+
+
+# --- bench validates its own modes ----------------------------------------------------------------
+def test_bench_refuses_unknown_modes_before_any_work(tmp_path: Path) -> None:
+    assert (*MODES, *EXTRA_MODES) == ALL_MODES
+    missing = tmp_path / "no-such-spec.yaml"  # never read: the modes are checked first
+    with pytest.raises(UsageError, match=r"unknown bench mode\(s\): warp \(known: eager") as info:
+        kiln.bench(missing, modes=("kiln", "warp"))
+    assert info.value.exit_code == ExitCode.USAGE
+
+
+# --- the serving module ---------------------------------------------------------------------------
+def test_worker_env_runs_this_kiln_without_inherited_cache_locations(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", "/elsewhere")
+    monkeypatch.setenv("TORCHINDUCTOR_REMOTE_CACHE_URL", "redis://x")
+    env = worker_env({"TRITON_HOME": "/mine"})
+    assert "TORCHINDUCTOR_CACHE_DIR" not in env and "TORCHINDUCTOR_REMOTE_CACHE_URL" not in env
+    assert env["TRITON_HOME"] == "/mine"
+    first = Path(env["PYTHONPATH"].split(os.pathsep)[0])
+    assert (first / "kiln" / "__init__.py").resolve() == Path(kiln.__file__).resolve()
+
+
+def test_compile_env_pins_the_job_id_where_shapes_may_be_dynamic(write_spec) -> None:
+    static = load_spec(write_spec(mlp_spec()))
+    assert compile_env(static) == {}
+    dynamic = load_spec(write_spec(mlp_spec("dyn", dynamic="null"), "d.yaml"))
+    assert compile_env(dynamic) == {"TORCH_COMPILE_JOB_ID": "kiln-dyn"}
+    own = load_spec(write_spec(mlp_spec(dynamic="true") + "env: {TORCH_COMPILE_JOB_ID: x}\n"))
+    assert compile_env(own) == {"TORCH_COMPILE_JOB_ID": "x"}
+
+
+def test_served_torch_kwargs_are_what_the_bake_recorded(write_spec) -> None:
+    spec = load_spec(write_spec(mlp_spec()))
+    recorded = manifest_for({}, compile_kwargs={"backend": "eager", "fullgraph": True})
+    assert served_torch_kwargs(recorded) == {"backend": "eager", "fullgraph": True}
+    older = manifest_for({}, spec=spec.canonical(), compile_kwargs=None)
+    assert served_torch_kwargs(older) == torch_kwargs(spec.compile)
+    # kiln-serial: the mode becomes its options (torch.compile takes one or the other).
+    assert with_compile_threads(torch_kwargs(spec.compile), 1) == {
+        "backend": "inductor",
+        "dynamic": False,
+        "fullgraph": False,
+        "options": {"compile_threads": 1},
+    }
+
+
+# --- the shape of the code (issue 16: no function of 190 lines with six closures) ----------------
+def test_no_long_functions_in_the_compile_side() -> None:
+    src = ROOT / "src" / "kiln"
+    files = [*(src / "compiler").glob("*.py"), src / "serving.py", src / "events.py"]
+    long = [
+        f"{path.relative_to(src)}:{node.lineno} {node.name} ({node.end_lineno - node.lineno + 1})"
+        for path in files
+        for node in ast.walk(ast.parse(path.read_text()))
+        if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef)
+        and node.end_lineno is not None
+        and node.end_lineno - node.lineno + 1 > 80
+    ]
+    assert long == []
+
+
+# --- a piped bake (issue 17 item 4) ---------------------------------------------------------------
+@pytest.mark.slow
+def test_piped_bake_says_which_bucket_starts_and_that_it_is_alive(write_spec, cli) -> None:
+    """stderr is a pipe here, as in CI: a line per bucket as it starts, heartbeats between."""
+    proc = cli(
+        "bake",
+        write_spec(mlp_spec("piped")),
+        "-o",
+        "p.kiln.tar.zst",
+        env={"KILN_HEARTBEAT_S": "0.5"},
+    )
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    lines = proc.stderr.splitlines()
+    for i, key in enumerate(("batch=2", "batch=3", "batch=5")):
+        start = lines.index(f"  {key}: start ({i + 1}/3)")
+        done = next(n for n, line in enumerate(lines) if line.startswith(f"  {key}: first call "))
+        assert start < done
+    # The first bucket compiles for seconds on 2 cores: silence is filled in.
+    assert any(line.startswith("  still running: batch=2: first call (") for line in lines)
+    assert any(line.startswith("  still running: start-up (") for line in lines)
