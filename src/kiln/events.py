@@ -2,9 +2,9 @@
 
 Bake, restore, verify and bench report progress through one sink (:data:`EventSink`) that the
 CLI draws as rich bars on stderr, or as one plain line per step when stderr is not a terminal
-(CI logs, ``make demo``). Each event is a small pydantic model with an ``event`` tag: the worker's cross a
-process boundary as JSON lines (:data:`WORKER_EVENTS` parses them back), and a sink dispatches on
-the type, not on dictionary keys. Torch-free.
+(CI logs, ``make demo``). Each event is a small pydantic model with an ``event`` tag: the
+worker's cross a process boundary as JSON lines (:data:`WORKER_EVENTS` parses them back), and a
+sink dispatches on the type, not on dictionary keys. Torch-free.
 """
 
 from __future__ import annotations
