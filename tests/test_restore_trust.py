@@ -71,8 +71,8 @@ def on(kind: str, when: Callable[[Event], bool], action: Callable[[], None]) -> 
     return sink
 
 
-def last_fetched(event: dict) -> bool:
-    return event["bytes"] == event["total"]
+def last_fetched(event: Event) -> bool:
+    return event.bytes == event.total
 
 
 # --- item 2: the pinned digest covers exactly the bytes unpacked ------------------------------
