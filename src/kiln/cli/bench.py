@@ -8,9 +8,10 @@ import typer
 from rich.console import Console
 from rich.table import Table
 
-from kiln.cli.options import JSON, QUIET
+from kiln.cli.options import JSON, ORDER, QUIET
 from kiln.cli.output import Output, esc, plain
 from kiln.cli.render import human_bytes, ms
+from kiln.grid import Order
 
 
 def register(app: typer.Typer) -> None:
@@ -28,7 +29,7 @@ def bench_cmd(
         "--modes",
         help="Comma-separated modes: eager, cold, kiln, megacache, copied, kiln-blob, kiln-serial.",
     ),
-    order: str = typer.Option("shuffle", "--order", help="Request order: shuffle, grid, reverse."),
+    order: Order = ORDER,
     cold_run: bool = typer.Option(
         False, "--cold-run", help="Time a separate bare compile (default: the bake's first pass)."
     ),
@@ -56,7 +57,7 @@ def bench_cmd(
         report = bench(
             spec,
             modes=chosen,
-            order=order,
+            order=order.value,
             cold_run=cold_run,
             repeat=repeat,
             workdir=workdir,

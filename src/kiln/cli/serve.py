@@ -9,10 +9,11 @@ from rich.console import Console
 from rich.table import Table
 from rich.text import Text
 
-from kiln.cli.options import DEVICE_INDEX, JSON, QUIET
+from kiln.cli.options import DEVICE_INDEX, JSON, ORDER, QUIET
 from kiln.cli.output import Output, esc, plain, visible
 from kiln.cli.render import bucket_table, ms
 from kiln.errors import IncompatibleError, KilnError, VerificationError
+from kiln.grid import Order
 
 
 def _reported(exc: KilnError) -> KilnError:
@@ -76,9 +77,7 @@ def check_cmd(
 def verify_cmd(
     spec: Path = typer.Argument(..., help="Model spec (YAML) the artifact was baked from."),
     cache: Path = typer.Option(..., "--cache", help="Restored folder (kiln restore --dest)."),
-    order: str = typer.Option(
-        "shuffle", "--order", help="Request order: shuffle, grid or reverse."
-    ),
+    order: Order = ORDER,
     seed: int = typer.Option(0, "--seed", help="Seed for --order shuffle."),
     ready_file: Path = typer.Option(None, "--ready-file", help="Written only on success (probes)."),
     device_index: int = DEVICE_INDEX,
@@ -93,7 +92,7 @@ def verify_cmd(
         report = verify(
             spec,
             cache,
-            order=order,
+            order=order.value,
             seed=seed,
             device_index=device_index or 0,
             ready_file=ready_file,
@@ -101,7 +100,8 @@ def verify_cmd(
         )
 
     def human(c: Console) -> None:
-        c.print(bucket_table(report.buckets, f"verify {report.name} ({order} order)", verify=True))
+        title = f"verify {report.name} ({order.value} order)"
+        c.print(bucket_table(report.buckets, title, verify=True))
         c.print(f"ready in {ms(report.time_to_ready_s)} (process start → every bucket ran once)")
         if report.extra.get("precompile_load_s") is not None:
             loaded = ms(report.extra["precompile_load_s"])
