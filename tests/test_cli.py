@@ -80,3 +80,42 @@ def test_env_devices_are_the_devices_a_spec_names() -> None:
 
     named = set(get_args(ModelSpec.model_fields["device"].annotation))
     assert {d.value for d in Device} == named
+
+
+def test_check_and_activate_word_an_incompatibility_alike(cli, tmp_path: Path) -> None:
+    """One CheckReport method words the miss: `kiln check` exits 5 with what activate raises."""
+    import subprocess
+    import sys
+
+    import kiln
+    from tests.archives import FILES, manifest_for, reg, write_archive
+
+    fingerprint = {"device.type": "cpu", "torch.version": "0.0.1+elsewhere"}
+    manifest = manifest_for(FILES, name="old-torch", fingerprint=fingerprint)
+    artifact = write_archive(
+        tmp_path / "old.kiln.tar.zst", manifest, [reg(p, d) for p, d in sorted(FILES.items())]
+    )
+    proc = cli("check", artifact)
+    assert proc.returncode == 5, proc.stderr
+    [line] = [x for x in proc.stderr.splitlines() if x.startswith("kiln: error: ")]
+    assert "torch.version (baked '0.0.1+elsewhere', here '" in line
+
+    restored = tmp_path / "restored"
+    kiln.restore(artifact, restored)
+    served = subprocess.run(  # activate() sets this process's environment: a fresh one
+        [
+            sys.executable,
+            "-c",
+            "import kiln\n"
+            "from kiln.errors import IncompatibleError\n"
+            "try:\n"
+            f"    kiln.activate({str(restored)!r}, compat='fail')\n"
+            "except IncompatibleError as exc:\n"
+            "    print(exc.message)\n",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert served.returncode == 0, served.stderr
+    assert line == f"kiln: error: {served.stdout.strip()}"

@@ -12,7 +12,7 @@ from rich.text import Text
 from kiln.cli.options import DEVICE_INDEX, JSON, ORDER, QUIET
 from kiln.cli.output import Output, esc, plain, visible
 from kiln.cli.render import bucket_table, ms
-from kiln.errors import IncompatibleError, KilnError, VerificationError
+from kiln.errors import KilnError, VerificationError
 from kiln.grid import Order
 
 
@@ -66,12 +66,7 @@ def check_cmd(
 
     Output(json_).emit(report.to_dict(), human)
     if not report.ok:
-        raise _reported(
-            IncompatibleError(
-                "caches would miss: "
-                + ", ".join(f"{f.name} ({f.baked!r} → {f.here!r})" for f in report.misses)
-            )
-        )
+        raise _reported(report.error())
 
 
 def verify_cmd(
