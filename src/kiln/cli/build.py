@@ -10,7 +10,7 @@ from rich.console import Console
 
 from kiln.cli.options import DEVICE_INDEX, JSON, QUIET, Device
 from kiln.cli.output import Output, esc
-from kiln.cli.render import bucket_table, fingerprint_table, human_bytes
+from kiln.cli.render import bucket_table, fingerprint_table, human_bytes, print_table
 from kiln.spec import MAX_PASSES
 
 
@@ -43,7 +43,7 @@ def bake_cmd(
 
     def human(c: Console) -> None:
         m = result.manifest
-        c.print(bucket_table(m.grid, f"{m.name}: {len(m.grid)} buckets baked"))
+        print_table(c, bucket_table(m.grid, f"{m.name}: {len(m.grid)} buckets baked"))
         c.print(
             f"wrote [bold]{esc(result.artifact)}[/] ({human_bytes(result.size)}, "
             f"{len(m.files)} files, "
@@ -76,4 +76,4 @@ def env_cmd(
     from kiln.compiler.fingerprint import fingerprint
 
     fp = fingerprint(device.value, device_index=device_index or 0)
-    Output(json_).emit(fp, lambda c: c.print(fingerprint_table(fp, "this environment")))
+    Output(json_).emit(fp, lambda c: print_table(c, fingerprint_table(fp, "this environment")))

@@ -17,6 +17,7 @@ import contextlib
 import json
 import sys
 from collections.abc import Callable, Iterator
+from pathlib import Path
 from typing import Any
 
 import typer
@@ -62,6 +63,17 @@ def console(*, stderr: bool = False) -> Console:
     return Console(stderr=stderr, emoji=False)
 
 
+def json_text(data: Any) -> str:
+    """A result as ``--json`` prints it (and ``--save`` writes it): one document, keys sorted."""
+    return json.dumps(data, indent=2, sort_keys=True, default=str) + "\n"
+
+
+def save_json(path: Path, data: Any) -> None:
+    """Write ``data`` to ``path`` exactly as ``--json`` prints it (``kiln bench --save``)."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json_text(data), encoding="utf-8")
+
+
 class Output:
     def __init__(self, json_mode: bool = False, quiet: bool = False) -> None:
         self.json_mode = json_mode
@@ -71,7 +83,7 @@ class Output:
 
     def emit(self, data: Any, human: Callable[[Console], None]) -> None:
         if self.json_mode:
-            sys.stdout.write(json.dumps(data, indent=2, sort_keys=True, default=str) + "\n")
+            sys.stdout.write(json_text(data))
             sys.stdout.flush()
         else:
             human(self.out)

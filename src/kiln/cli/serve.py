@@ -6,12 +6,10 @@ from pathlib import Path
 
 import typer
 from rich.console import Console
-from rich.table import Table
-from rich.text import Text
 
 from kiln.cli.options import DEVICE_INDEX, JSON, ORDER, QUIET
-from kiln.cli.output import Output, esc, plain, visible
-from kiln.cli.render import bucket_table, ms
+from kiln.cli.output import Output, esc
+from kiln.cli.render import bucket_table, factor_table, ms, print_table, verify_failure
 from kiln.errors import KilnError, VerificationError
 from kiln.grid import Order
 
@@ -26,26 +24,6 @@ def register(app: typer.Typer) -> None:
     app.command("verify")(verify_cmd)
 
 
-def factor_table(report: object, *, all_rows: bool) -> Table:
-    table = Table(title="factors", title_justify="left")
-    for col in ("factor", "baked", "here", "effect"):
-        table.add_column(col)
-    for f in report.factors:  # type: ignore[attr-defined]
-        if f.matches and not all_rows:
-            continue
-        effect = (
-            Text("ok")
-            if f.matches
-            else (
-                Text.assemble(("MISS", "red"), " ", visible(f.note))
-                if f.causes_miss
-                else plain(f"differs: {f.note}")
-            )
-        )
-        table.add_row(plain(f.name), plain(f.baked), plain(f.here), effect)
-    return table
-
-
 def check_cmd(
     target: Path = typer.Argument(..., help="Artifact file or restored folder."),
     device_index: int = DEVICE_INDEX,
@@ -58,7 +36,7 @@ def check_cmd(
     report = check(target, device_index=device_index)
 
     def human(c: Console) -> None:
-        c.print(factor_table(report, all_rows=all_rows or report.ok))
+        print_table(c, factor_table(report, all_rows=all_rows or report.ok))
         if report.ok:
             c.print(f"[green]compatible[/]: {esc(report.name)} will hit here")
         else:
@@ -96,13 +74,13 @@ def verify_cmd(
 
     def human(c: Console) -> None:
         title = f"verify {report.name} ({order.value} order)"
-        c.print(bucket_table(report.buckets, title, verify=True))
+        print_table(c, bucket_table(report.buckets, title, verify=True))
         c.print(f"ready in {ms(report.time_to_ready_s)} (process start → every bucket ran once)")
         if report.extra.get("precompile_load_s") is not None:
             loaded = ms(report.extra["precompile_load_s"])
             c.print(f"precompiled forwards loaded in {loaded}: no Dynamo tracing")
         if report.check and not report.check.ok:
-            c.print(factor_table(report.check, all_rows=False))
+            print_table(c, factor_table(report.check, all_rows=False))
         if not report.spec_matches:
             o.warn("spec differs from the one baked into this artifact")
         if report.ok:
@@ -110,4 +88,4 @@ def verify_cmd(
 
     o.emit(report.to_dict(), human)
     if not report.ok:
-        raise _reported(VerificationError("; ".join(report.reasons())))
+        raise _reported(VerificationError(verify_failure(report)))
