@@ -15,8 +15,14 @@ pytestmark = pytest.mark.slow
 def test_bench_modes_and_ratios(write_spec, cli, tmp_path: Path) -> None:
     spec = write_spec(mlp_spec("bench-mlp", buckets="batch: [2, 7]"))
     saved = tmp_path / "bench.json"
-    proc = cli("bench", spec, "--json", "--save", saved)
+    tmp = tmp_path / "tmp"
+    tmp.mkdir()
+    proc = cli("bench", spec, "--json", "--save", saved, env={"TMPDIR": str(tmp)})
     assert proc.returncode == 0, proc.stderr[-3000:]
+    # kiln leaves nothing in the temp dir but the bake's per-name lock. (torch writes C++
+    # precompiled headers to its default folder whatever TORCHINDUCTOR_CACHE_DIR says.)
+    left = [p for p in tmp.rglob("*") if p.is_file() and "torchinductor_" not in str(p)]
+    assert all(p.suffix == ".lock" and p.stat().st_size == 0 for p in left), left
     report = json.loads(proc.stdout)
     assert report == json.loads(saved.read_text())
     modes = report["modes"]

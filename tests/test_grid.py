@@ -1,6 +1,9 @@
 from __future__ import annotations
 
-from kiln.grid import Bucket, expand, ordered, rotations
+import pytest
+
+from kiln.errors import UsageError
+from kiln.grid import Bucket, Order, expand, ordered, rotations
 from kiln.spec import load_spec
 from tests.conftest import mlp_spec
 
@@ -36,3 +39,11 @@ def test_rotations_start_on_different_buckets() -> None:
     assert len(orders) == 4
     assert len({o[0] for o in orders}) == 4
     assert all(sorted(o, key=lambda b: b.key) == sorted(grid, key=lambda b: b.key) for o in orders)
+
+
+def test_an_unknown_order_is_a_usage_error() -> None:
+    """A library caller's typo is exit 2 with the choices, not a ValueError (exit 1)."""
+    with pytest.raises(UsageError, match=r"'random'.*shuffle, grid, reverse"):
+        ordered([Bucket((("b", 1),))], "random")
+    assert [o.value for o in Order] == ["shuffle", "grid", "reverse"]
+    assert ordered([Bucket((("b", 1),))], Order.REVERSE) == [Bucket((("b", 1),))]

@@ -38,7 +38,57 @@ def test_valid_spec_loads(write_spec) -> None:
 
 def test_unknown_key(write_spec) -> None:
     text = mlp_spec().replace("  dynamic: false", "  dynamic: false\n  dynamc: true")
-    assert error_of(write_spec, text) == "spec.yaml:8:3: compile.dynamc: unknown key"
+    assert error_of(write_spec, text) == (
+        "spec.yaml:8:3: compile.dynamc: unknown key 'dynamc' (did you mean 'dynamic'?)"
+    )
+    text = mlp_spec() + "bogus: 1\n"
+    assert error_of(write_spec, text) == "spec.yaml:13:1: bogus: unknown key 'bogus'"
+
+
+@pytest.mark.parametrize(
+    ("old", "new", "expected"),
+    [
+        (  # the typo, not the `buckets` it leaves missing (which pydantic lists first)
+            "buckets:",
+            "bucket:",
+            "spec.yaml:10:1: bucket: unknown key 'bucket' (did you mean 'buckets'?)",
+        ),
+        (
+            "  factory:",
+            "  factroy:",
+            "spec.yaml:3:3: model.factroy: unknown key 'factroy' (did you mean 'factory'?)",
+        ),
+        (
+            "dtype: float32, fill",
+            "dtyp: float32, fill",
+            "spec.yaml:9:35: inputs.0.dtyp: unknown key 'dtyp' (did you mean 'dtype'?)",
+        ),
+        (
+            "warmup: {calls: 2}",
+            "warmup: {call: 2, passes: many}",
+            "spec.yaml:12:10: warmup.call: unknown key 'call' (did you mean 'calls'?)",
+        ),
+        (
+            "shape: [batch, 16]",
+            "shape: [bach, 16]",
+            "spec.yaml:9:23: inputs.0.shape.0: axis 'bach' is not declared in buckets "
+            "(did you mean 'batch'?)",
+        ),
+    ],
+    ids=["top-level", "model", "input", "warmup", "axis"],
+)
+def test_a_typo_is_named_with_a_suggestion_before_what_it_leaves_missing(
+    write_spec, old: str, new: str, expected: str
+) -> None:
+    assert error_of(write_spec, mlp_spec().replace(old, new)) == expected
+
+
+def test_an_axis_no_input_uses_is_refused_at_its_line(write_spec) -> None:
+    """An unused axis only multiplies the grid: each bucket would be compiled twice, the same."""
+    text = mlp_spec(buckets="batch: [2, 3]\nseq: [8, 16]")
+    assert error_of(write_spec, text) == (
+        "spec.yaml:12:3: buckets.seq: axis 'seq' is used by no input"
+    )
 
 
 def test_wrong_type(write_spec) -> None:
@@ -170,9 +220,40 @@ def test_randint_needs_high(write_spec) -> None:
     assert "inputs.0.fill: fill: randint needs `high`" in error_of(write_spec, text)
 
 
-def test_yaml_syntax_error(write_spec) -> None:
-    msg = error_of(write_spec, "name: x\nmodel: [unclosed\n")
-    assert msg.startswith("spec.yaml:3:1: invalid YAML")
+@pytest.mark.parametrize(
+    ("text", "expected"),
+    [
+        (  # the bracket never closed, not the end of the file after it
+            "name: x\nmodel: [unclosed\n\n# more\n",
+            "spec.yaml:2:8: invalid YAML: ",
+        ),
+        ("name: x\nmodel: [unclosed\nfoo: 1\n", "spec.yaml:2:8: invalid YAML: "),
+        (  # the key missing its ':', not the line after it
+            "name: x\nmodel\n  factory: a\n",
+            "spec.yaml:2:1: invalid YAML: could not find expected ':' "
+            "(while scanning a simple key)",
+        ),
+        ("name: x\nmodel\n", "spec.yaml:2:1: invalid YAML: could not find expected ':'"),
+        ("name: 'x\nmodel: 1\n", "spec.yaml:1:7: invalid YAML: found unexpected end of stream"),
+        # problems that are on the line PyYAML names stay there
+        ("name: x\nmodel:\n  factory: a\n kwargs: {}\n", "spec.yaml:4:2: invalid YAML: "),
+        ("name: x\nmodel: factory: a\n", "spec.yaml:2:15: invalid YAML: mapping values"),
+        ("name: x\nmodel: {a: 1 b: 2}\n", "spec.yaml:2:15: invalid YAML: "),
+    ],
+    ids=[
+        "unclosed-eof",
+        "unclosed-more",
+        "no-colon",
+        "no-colon-eof",
+        "quote",
+        "indent",
+        "nested-map",
+        "no-comma",
+    ],
+)
+def test_yaml_syntax_error_points_at_its_line(write_spec, text: str, expected: str) -> None:
+    msg = error_of(write_spec, text)
+    assert msg.startswith(expected), msg
 
 
 def test_exclude_unknown_axis(write_spec) -> None:
@@ -184,7 +265,7 @@ def test_cli_spec_error_exit_2(cli, write_spec) -> None:
     path = write_spec(mlp_spec() + "bogus: 1\n")
     proc = cli("bake", path, "-o", "out.kiln.tar.zst", no_torch=True)
     assert proc.returncode == 2
-    assert proc.stderr.strip().splitlines()[0].endswith(f"{path}:13:1: bogus: unknown key")
+    assert proc.stderr.strip().splitlines()[0].endswith(f"{path}:13:1: bogus: unknown key 'bogus'")
     assert proc.stdout == ""
 
 

@@ -11,7 +11,9 @@ import itertools
 import random
 from collections.abc import Sequence
 from dataclasses import dataclass
+from enum import Enum
 
+from kiln.errors import UsageError
 from kiln.spec import Spec
 
 
@@ -48,20 +50,29 @@ def expand(spec: Spec) -> list[Bucket]:
     return out
 
 
-ORDERS = ("grid", "reverse", "shuffle")
+class Order(str, Enum):
+    """The request orders verify and bench take; a ``str``, so ``"grid"`` works as well as
+    ``Order.GRID``, and the CLI offers exactly these (a typo is exit 2 before anything runs)."""
+
+    SHUFFLE = "shuffle"  # real traffic (the default)
+    GRID = "grid"
+    REVERSE = "reverse"
+
+
+ORDERS = tuple(o.value for o in Order)
 
 
 def ordered(buckets: list[Bucket], order: str, seed: int = 0) -> list[Bucket]:
     """Buckets in a request order: real traffic does not arrive in grid order."""
-    if order == "grid":
+    if order == Order.GRID:
         return list(buckets)
-    if order == "reverse":
+    if order == Order.REVERSE:
         return buckets[::-1]
-    if order == "shuffle":
+    if order == Order.SHUFFLE:
         out = list(buckets)
         random.Random(seed).shuffle(out)
         return out
-    raise ValueError(f"unknown order {order!r} (one of {', '.join(ORDERS)})")
+    raise UsageError(f"unknown order {order!r} (one of {', '.join(ORDERS)})")
 
 
 def rotations(buckets: list[Bucket], count: int) -> list[list[Bucket]]:

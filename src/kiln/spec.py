@@ -10,13 +10,15 @@ back to source positions. Torch-free: init containers parse specs too.
 from __future__ import annotations
 
 import contextlib
+import difflib
 import hashlib
 import importlib.util
 import json
 import re
 import sys
+import types
 from pathlib import Path
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any, Literal, Union, get_args, get_origin
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, ValidationError, model_validator
@@ -200,8 +202,9 @@ class Spec(_Strict):
             elements = 1
             for j, dim in enumerate(inp.shape):
                 if isinstance(dim, str) and dim not in self.buckets:
+                    hint = _did_you_mean(dim, self.buckets)
                     raise _LocatedValueError(
-                        ("inputs", i, "shape", j), f"axis {dim!r} is not declared in buckets"
+                        ("inputs", i, "shape", j), f"axis {dim!r} is not declared in buckets{hint}"
                     )
                 if isinstance(dim, int) and not 1 <= dim <= MAX_SIZE:
                     raise _LocatedValueError(
@@ -214,6 +217,10 @@ class Spec(_Strict):
                     f"{elements} elements at the largest bucket; one input may have at most "
                     f"{MAX_INPUT_ELEMENTS}",
                 )
+        used = {dim for inp in self.inputs for dim in inp.shape if isinstance(dim, str)}
+        for axis in self.buckets:
+            if axis not in used:  # it would only repeat every bucket, compiling nothing new
+                raise _LocatedValueError(("buckets", axis), f"axis {axis!r} is used by no input")
         for key in self.model.call_kwargs:
             if key in names:
                 raise _LocatedValueError(
@@ -222,7 +229,10 @@ class Spec(_Strict):
         for i, combo in enumerate(self.exclude):
             for axis in combo:
                 if axis not in self.buckets:
-                    raise _LocatedValueError(("exclude", i, axis), f"unknown axis {axis!r}")
+                    raise _LocatedValueError(
+                        ("exclude", i, axis),
+                        f"unknown axis {axis!r}{_did_you_mean(axis, self.buckets)}",
+                    )
         for key in self.env:
             problem = env_key_problem(key)
             if problem:
@@ -272,6 +282,44 @@ class _LocatedValueError(ValueError):
         super().__init__(message)
         self.loc = loc
         self.message = message
+
+
+def _did_you_mean(word: str, choices: Any) -> str:
+    """`` (did you mean 'x'?)`` when one of ``choices`` is close to ``word``, else nothing."""
+    close = difflib.get_close_matches(word, [str(c) for c in choices], n=1)
+    return f" (did you mean {close[0]!r}?)" if close else ""
+
+
+def _fields_at(loc: tuple[str | int, ...]) -> list[str]:
+    """The keys the spec's models allow at ``loc`` (``()`` is the top level); [] where free-form.
+
+    Follows the models' annotations (a model, a list of models, an optional model), so an
+    unknown key is compared with its own level's fields, however deep it is.
+    """
+    annotation: Any = Spec
+    for part in loc:
+        annotation = _without_none(annotation)
+        if isinstance(annotation, type) and issubclass(annotation, BaseModel):
+            field = annotation.model_fields.get(str(part))
+            if field is None:
+                return []
+            annotation = field.annotation
+        elif get_origin(annotation) is list and isinstance(part, int):
+            annotation = get_args(annotation)[0]
+        else:
+            return []
+    annotation = _without_none(annotation)
+    if isinstance(annotation, type) and issubclass(annotation, BaseModel):
+        return list(annotation.model_fields)
+    return []
+
+
+def _without_none(annotation: Any) -> Any:
+    """``X`` for ``X | None``; any other annotation as it is."""
+    if get_origin(annotation) in (Union, types.UnionType):
+        args = [a for a in get_args(annotation) if a is not type(None)]
+        return args[0] if len(args) == 1 else annotation
+    return annotation
 
 
 def _find_module(name: str, base: Path) -> Any:
@@ -454,9 +502,9 @@ def _compose(text: str, file: str) -> yaml.Node | None:
     try:
         return _Composer(text, file).document()
     except yaml.MarkedYAMLError as exc:
-        mark = exc.problem_mark or exc.context_mark
+        message, mark = _syntax_error(exc)
         raise SpecError(
-            f"invalid YAML: {exc.problem or exc.context or 'syntax error'}",
+            f"invalid YAML: {message}",
             file=file,
             line=mark.line + 1 if mark else None,
             col=mark.column + 1 if mark else None,
@@ -473,6 +521,30 @@ def _compose(text: str, file: str) -> yaml.Node | None:
         raise SpecError(f"invalid YAML: {exc}", file=file) from None
     except UnicodeError:  # lone surrogates in text that did not come from a file
         raise SpecError("invalid YAML: the text is not valid Unicode", file=file) from None
+
+
+def _syntax_error(exc: yaml.MarkedYAMLError) -> tuple[str, Any]:
+    """What PyYAML (or libyaml) found, and where the mistake is.
+
+    The parser notices a missing thing only at the next token, which is often on a later line:
+    a key without its ':' is reported on the line after it, an unclosed quote or bracket at the
+    end of the file. Its *context* mark is where it started the construct it could not finish;
+    when that is on an earlier line, the mistake is there. Block contexts are the exception:
+    "while parsing a block mapping" starts at the mapping's first key, while a mis-indented line
+    is the problem mark's own.
+    """
+    problem, context = exc.problem, exc.context
+    message = problem or context or "syntax error"
+    p, c = exc.problem_mark, exc.context_mark
+    if (
+        p is not None
+        and c is not None
+        and context
+        and c.line < p.line
+        and not context.startswith("while parsing a block")
+    ):
+        return f"{message} ({context})" if problem else message, c
+    return message, p or c
 
 
 def _codepoint(character: str | int | bytes) -> str:
@@ -575,19 +647,25 @@ def parse_spec(text: str, file: str = "<spec>", path: Path | None = None) -> Spe
     try:
         spec = Spec.model_validate(data)
     except ValidationError as exc:
-        err = exc.errors()[0]
+        errors = exc.errors()
+        # A typo'd key is the cause of the "missing" error it leaves behind: name it first.
+        err = next((e for e in errors if e["type"] == "extra_forbidden"), errors[0])
         loc: tuple[str | int, ...] = tuple(err["loc"])
         message = err["msg"]
         located = (err.get("ctx") or {}).get("error")
         if isinstance(located, _LocatedValueError):
-            loc, message = loc + located.loc, located.message
+            loc, message = _without_type_tags(loc) + located.loc, located.message
         elif err["type"] == "extra_forbidden":
-            message = "unknown key"
-        loc = tuple(p for p in loc if not _is_type_tag(p))
+            # the last part is the spec's own key, never a type tag, whatever it spells
+            parent, key = _without_type_tags(loc[:-1]), str(loc[-1])
+            loc, message = (*parent, key), f"unknown key {key!r}"
+            message += _did_you_mean(key, _fields_at(parent))
+        else:
+            loc = _without_type_tags(loc)
         pos = _locate(root, loc)
         line, col = pos if pos else (None, None)
         raise SpecError(
-            message.removeprefix("Value error, "),
+            _printable(message.removeprefix("Value error, ")),
             file=file,
             line=line,
             col=col,
@@ -598,10 +676,15 @@ def parse_spec(text: str, file: str = "<spec>", path: Path | None = None) -> Spe
     return spec
 
 
-def _is_type_tag(part: str | int) -> bool:
+def _without_type_tags(loc: tuple[str | int, ...]) -> tuple[str | int, ...]:
     """pydantic appends union member names ("str", "int", "function-after[...]") to locs."""
-    return isinstance(part, str) and (
-        part in {"str", "int", "float", "bool", "none", "list", "dict"} or "[" in part
+    return tuple(
+        p
+        for p in loc
+        if not (
+            isinstance(p, str)
+            and (p in {"str", "int", "float", "bool", "none", "list", "dict"} or "[" in p)
+        )
     )
 
 

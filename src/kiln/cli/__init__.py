@@ -1,7 +1,8 @@
 """kiln's command line: a thin Typer layer over the library API.
 
 Each command module parses arguments, calls one library function and hands the result to
-:class:`kiln.output.Output`. Errors are formatted here, once, into the documented exit codes.
+:class:`kiln.cli.output.Output`. Errors, click's usage errors included, are formatted once, by
+:func:`kiln.cli.output.report_error`, into the documented exit codes.
 Importing this package never imports torch: commands that need it import it when they run.
 """
 
@@ -16,6 +17,7 @@ import typer
 from kiln._version import __version__
 from kiln.cli import artifacts, bench, build, serve
 from kiln.cli.output import report_error
+from kiln.errors import ExitCode
 
 app = typer.Typer(
     name="kiln",
@@ -57,12 +59,20 @@ def _terminated(signum: int, _frame: types.FrameType | None) -> None:
 
 
 def main() -> None:
+    """Run the app; every error, click's usage errors included, leaves through report_error.
+
+    Click runs non-standalone so that a bad flag is reported like any other error: one line,
+    exit 2, and the JSON error object on stdout with ``--json``.
+    """
     signal.signal(signal.SIGTERM, _terminated)
     try:
-        app(standalone_mode=True)
+        code = app(standalone_mode=False)
     except SystemExit:
         raise
     except BaseException as exc:
         if isinstance(exc, KeyboardInterrupt):
             sys.exit(130)
+        if type(exc).__name__ == "NoArgsIsHelpError":  # `kiln` alone: the help is printed
+            sys.exit(int(ExitCode.USAGE))
         sys.exit(report_error(exc, "--json" in sys.argv))
+    sys.exit(code if isinstance(code, int) else 0)

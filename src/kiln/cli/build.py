@@ -8,9 +8,9 @@ from pathlib import Path
 import typer
 from rich.console import Console
 
-from kiln.cli.options import DEVICE_INDEX, JSON, QUIET
+from kiln.cli.options import DEVICE_INDEX, JSON, QUIET, Device
 from kiln.cli.output import Output, esc
-from kiln.cli.render import bucket_table, fingerprint_table, human_bytes
+from kiln.cli.render import bucket_table, fingerprint_table, human_bytes, print_table
 from kiln.spec import MAX_PASSES
 
 
@@ -43,7 +43,7 @@ def bake_cmd(
 
     def human(c: Console) -> None:
         m = result.manifest
-        c.print(bucket_table(m.grid, f"{m.name}: {len(m.grid)} buckets baked"))
+        print_table(c, bucket_table(m.grid, f"{m.name}: {len(m.grid)} buckets baked"))
         c.print(
             f"wrote [bold]{esc(result.artifact)}[/] ({human_bytes(result.size)}, "
             f"{len(m.files)} files, "
@@ -56,7 +56,11 @@ def bake_cmd(
     o.emit(result.summary(), human)
 
 
-def schema_cmd() -> None:
+def schema_cmd(
+    json_: bool = typer.Option(
+        False, "--json", help="Accepted like everywhere else: the schema is JSON either way."
+    ),
+) -> None:
     """Print the spec's JSON Schema (for editor completion via yaml-language-server)."""
     from kiln.spec import spec_json_schema
 
@@ -64,12 +68,12 @@ def schema_cmd() -> None:
 
 
 def env_cmd(
-    device: str = typer.Option("cpu", "--device", help="cpu or cuda."),
+    device: Device = typer.Option(Device.CPU, "--device", help="Device to fingerprint."),
     device_index: int = DEVICE_INDEX,
     json_: bool = JSON,
 ) -> None:
     """Print this machine's fingerprint (the fields a manifest records)."""
     from kiln.compiler.fingerprint import fingerprint
 
-    fp = fingerprint(device, device_index=device_index or 0)
-    Output(json_).emit(fp, lambda c: c.print(fingerprint_table(fp, "this environment")))
+    fp = fingerprint(device.value, device_index=device_index or 0)
+    Output(json_).emit(fp, lambda c: print_table(c, fingerprint_table(fp, "this environment")))

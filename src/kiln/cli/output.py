@@ -17,8 +17,10 @@ import contextlib
 import json
 import sys
 from collections.abc import Callable, Iterator
+from pathlib import Path
 from typing import Any
 
+import typer
 from rich.console import Console
 from rich.markup import escape
 from rich.progress import (
@@ -74,6 +76,17 @@ def console(*, stderr: bool = False) -> Console:
     return Console(stderr=stderr, emoji=False)
 
 
+def json_text(data: Any) -> str:
+    """A result as ``--json`` prints it (and ``--save`` writes it): one document, keys sorted."""
+    return json.dumps(data, indent=2, sort_keys=True, default=str) + "\n"
+
+
+def save_json(path: Path, data: Any) -> None:
+    """Write ``data`` to ``path`` exactly as ``--json`` prints it (``kiln bench --save``)."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json_text(data), encoding="utf-8")
+
+
 class Output:
     def __init__(self, json_mode: bool = False, quiet: bool = False) -> None:
         self.json_mode = json_mode
@@ -83,7 +96,7 @@ class Output:
 
     def emit(self, data: Any, human: Callable[[Console], None]) -> None:
         if self.json_mode:
-            sys.stdout.write(json.dumps(data, indent=2, sort_keys=True, default=str) + "\n")
+            sys.stdout.write(json_text(data))
             sys.stdout.flush()
         else:
             human(self.out)
@@ -206,24 +219,48 @@ class _ProgressSink:
         return f"{self.label} {phase:5} {key}" if self.label else f"{phase:5} {key}"
 
 
-def report_error(exc: BaseException, json_mode: bool) -> int:
-    """Print one line for ``exc`` (and JSON on stdout in --json mode); return the exit code.
+def _base(name: str) -> Any:
+    """click's exception class ``name`` as this typer raises it (typer >= 0.2x vendors click
+    as ``typer._click``, older ones use click itself): found through typer's public export."""
+    return next(c for c in typer.BadParameter.__mro__ if c.__name__ == name)
 
-    The message is plain text: it quotes member names, manifest fields and spec values.
+
+_ClickUsageError = _base("UsageError")
+_ClickException = _base("ClickException")
+
+
+def classify(exc: BaseException) -> tuple[int, str, object | None]:
+    """``exc`` as (exit code, message, machine-readable detail): kiln's one error table.
+
+    A :class:`KilnError` carries its code; a flag or argument that click refuses (a bad
+    ``--order``, a missing SPEC) is a usage error, exit 2; anything else is a bug, exit 1.
+    """
+    if isinstance(exc, KilnError):
+        return int(exc.exit_code), exc.message, exc.detail
+    if isinstance(exc, _ClickUsageError):
+        ctx = exc.ctx
+        hint = f" (see '{ctx.command_path} --help')" if ctx is not None else ""
+        # typer words a refused choice "Value error, 'x' is not one of ...": say it plainly
+        message = exc.format_message().replace(": Value error, ", ": ")
+        return int(ExitCode.USAGE), message + hint, None
+    if isinstance(exc, _ClickException):
+        return exc.exit_code, exc.format_message(), None
+    return int(ExitCode.INTERNAL), f"internal error: {type(exc).__name__}: {exc}", None
+
+
+def report_error(exc: BaseException, json_mode: bool) -> int:
+    """Print ``exc`` on stderr (and JSON on stdout in --json mode); return the exit code.
+
+    The first line is the error; a message of several lines (a failed verify: one per bucket)
+    goes on below it, indented. The message is plain text: it quotes member names, manifest
+    fields and spec values.
     """
     err = console(stderr=True)
-    if isinstance(exc, KilnError):
-        code, message, detail = int(exc.exit_code), exc.message, exc.detail
-    else:
-        code, message, detail = (
-            int(ExitCode.INTERNAL),
-            f"internal error: {type(exc).__name__}: {exc}",
-            None,
-        )
+    code, message, detail = classify(exc)
     first, _, rest = message.partition("\n")
     err.print(Text.assemble(("kiln: error:", "bold red"), " ", visible(first)), soft_wrap=True)
     for line in rest.split("\n") if rest else ():
-        err.print(plain(line, "dim"), soft_wrap=True)
+        err.print(plain("  " + line), soft_wrap=True)
     if json_mode and not getattr(exc, "reported", False):
         payload = {"error": message, "exit_code": code, "detail": detail}
         sys.stdout.write(json.dumps(payload, indent=2, default=str) + "\n")

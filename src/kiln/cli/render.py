@@ -1,18 +1,27 @@
-"""Rich renderings shared by commands (tables of buckets, fingerprints, factors). Torch-free.
+"""Rich renderings shared by commands (tables of buckets, fingerprints, factors, bench modes).
 
 Everything shown here comes from a manifest or a spec, so it goes through
-:func:`kiln.output.plain` / :func:`kiln.output.esc`, never straight into markup.
+:func:`kiln.cli.output.plain` / :func:`kiln.cli.output.esc`, never straight into markup. Tables
+are printed through :func:`print_table`, which never cuts a cell. Torch-free.
 """
 
 from __future__ import annotations
 
-from typing import Any
+from collections.abc import Iterable
+from typing import TYPE_CHECKING, Any
 
 from rich.console import Console
+from rich.measure import Measurement
 from rich.table import Table
+from rich.text import Text
 
 from kiln.artifact.manifest import BucketStats, Manifest
-from kiln.cli.output import esc, plain
+from kiln.cli.output import esc, plain, visible
+
+if TYPE_CHECKING:
+    from kiln.compiler.bench import BenchReport
+    from kiln.compiler.check import CheckReport
+    from kiln.compiler.verify import VerifyReport
 
 FINGERPRINT_ROWS = (
     ("torch", "torch.version"),
@@ -36,12 +45,66 @@ def ms(seconds: float | None) -> str:
     return f"{seconds * 1000:.1f} ms" if seconds < 1 else f"{seconds:.2f} s"
 
 
+def factor(value: float | None) -> str:
+    """A ratio as printed beside timings: ``1.33×``, or ``-`` where it has no meaning."""
+    return "-" if value is None else f"{value:.2f}×"
+
+
 def human_bytes(n: float) -> str:
     for unit in ("B", "KiB", "MiB", "GiB"):
         if n < 1024 or unit == "GiB":
             return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
         n /= 1024
     return f"{n:.1f} GiB"
+
+
+def print_table(console: Console, table: Table) -> None:
+    """Print ``table`` with every cell whole: a number cut to ``megaca…`` or ``1234…`` is a
+    wrong number.
+
+    When the output is not a terminal (a CI log, ``| tee``, a file) rich would assume 80
+    columns; there the table takes the width it needs, one line per row, ready to paste. In a
+    terminal too narrow for it, cells wrap between words (``29.75 s`` over two lines, never
+    ``29.7…``); only where even single words do not fit does a cell fold inside one.
+    """
+    for column in table.columns:
+        column.no_wrap = False
+        column.overflow = "fold"
+    unbounded = console.options.update_width(1 << 16)
+    needed = Measurement.get(console, unbounded, table).maximum
+    if needed > console.width:
+        if not console.is_terminal:
+            table.width = needed
+        else:
+            _fit_words(console, table, needed)
+    console.print(table, crop=False)
+
+
+def _fit_words(console: Console, table: Table, needed: int) -> None:
+    """Give each column at least its longest word and share what is left in proportion to what
+    each would still take, so cells wrap between words. (rich's own squeeze takes width from
+    the widest columns first, splitting a narrow column's words.) A header's words go first
+    where not everything fits; where even the cells' words do not, the table is left to rich,
+    which folds."""
+    unbounded = console.options.update_width(1 << 16)
+
+    def measure(cells: Iterable[Any]) -> list[Measurement]:
+        return [Measurement.get(console, unbounded, cell) for cell in cells] or [Measurement(0, 0)]
+
+    headers = [measure([column.header]) for column in table.columns]
+    bodies = [measure(column.cells) for column in table.columns]
+    most = [max(m.maximum for m in h + b) for h, b in zip(headers, bodies, strict=True)]
+    room = console.width - (needed - sum(most))  # what borders and padding leave for content
+    for with_headers in (True, False):
+        least = [
+            max(m.minimum for m in (h + b if with_headers else b))
+            for h, b in zip(headers, bodies, strict=True)
+        ]
+        if sum(least) <= room:
+            spare, wanted = room - sum(least), sum(most) - sum(least)
+            for column, low, high in zip(table.columns, least, most, strict=True):
+                column.width = low + (high - low) * spare // wanted
+            return
 
 
 def fingerprint_table(fp: dict[str, Any], title: str = "environment") -> Table:
@@ -81,6 +144,38 @@ def bucket_table(buckets: list[BucketStats], title: str, *, verify: bool = False
     return table
 
 
+def factor_table(report: CheckReport, *, all_rows: bool) -> Table:
+    """The fingerprint factors that differ (all of them with ``all_rows``) and their effect."""
+    table = Table(title="factors", title_justify="left")
+    for col in ("factor", "baked", "here", "effect"):
+        table.add_column(col)
+    for f in report.factors:
+        if f.matches and not all_rows:
+            continue
+        effect = (
+            Text("ok")
+            if f.matches
+            else (
+                Text.assemble(("MISS", "red"), " ", visible(f.note))
+                if f.causes_miss
+                else plain(f"differs: {f.note}")
+            )
+        )
+        table.add_row(plain(f.name), plain(f.baked), plain(f.here), effect)
+    return table
+
+
+def verify_failure(report: VerifyReport) -> str:
+    """A failed verify as an error message: a header line, then one line per bucket that
+    compiled, saying what compiled and why (:func:`kiln.compiler.verify.explain`)."""
+    failing = report.reasons()
+    header = (
+        f"{report.name}: {len(failing)} of {len(report.buckets)} buckets compiled "
+        "against the restored cache:"
+    )
+    return "\n".join([header, *failing])
+
+
 def manifest_view(console: Console, m: Manifest, digest: str | None = None) -> None:
     console.print(
         f"[bold]{esc(m.name)}[/]  format {m.format} · kiln {esc(m.kiln_version)} · "
@@ -92,14 +187,98 @@ def manifest_view(console: Console, m: Manifest, digest: str | None = None) -> N
     if m.compile_kwargs is not None:
         args = ", ".join(f"{k}={v!r}" for k, v in m.compile_kwargs.items())
         console.print(plain(f"serve with torch.compile({args})"))
-    console.print(fingerprint_table(m.fingerprint, "baked on"))
-    console.print(bucket_table(m.grid, f"grid: {len(m.grid)} buckets"))
+    print_table(console, fingerprint_table(m.fingerprint, "baked on"))
+    print_table(console, bucket_table(m.grid, f"grid: {len(m.grid)} buckets"))
     kinds = Table(title=f"{len(m.files)} files, {human_bytes(m.total_bytes)}", title_justify="left")
     kinds.add_column("kind")
     kinds.add_column("files", justify="right")
     kinds.add_column("bytes", justify="right")
     for kind, (n, size) in m.bytes_by_kind().items():
         kinds.add_row(plain(kind), str(n), human_bytes(size))
-    console.print(kinds)
+    print_table(console, kinds)
     if m.env:
         console.print(plain("serving env: " + " ".join(f"{k}={v}" for k, v in m.env.items())))
+
+
+BENCH_COLUMNS = (
+    "mode",
+    "time to ready",
+    "vs eager",
+    "start-up",
+    "Σ first calls",
+    "max first call",
+    "steady (median)",
+    "compiles",
+)
+
+
+def bench_table(report: BenchReport) -> Table:
+    """One row per mode: time to ready (and its spread over repeats), the factor against eager,
+    first calls, steady latency and compiles."""
+    fp = report.fingerprint
+    where = fp.get("gpu.name") or fp.get("cpu.model") or "cpu"
+    table = Table(
+        title=plain(
+            f"{report.name} on {where} · torch {fp.get('torch.version')} · "
+            f"triton {fp.get('triton.version')}"
+        ),
+        title_justify="left",
+    )
+    for col in BENCH_COLUMNS:
+        table.add_column(col, justify="left" if col == "mode" else "right")
+    eager = report.modes.get("eager")
+    for m in report.modes.values():
+        vs = m.time_to_ready_s / eager.time_to_ready_s if eager else None
+        spread = (
+            f" ({ms(min(m.ready_runs_s))}–{ms(max(m.ready_runs_s))})"
+            if len(m.ready_runs_s) > 1
+            else ""
+        )
+        table.add_row(
+            plain(m.mode),
+            ms(m.time_to_ready_s) + spread,
+            factor(vs),
+            ms(m.startup_s),
+            ms(m.first_calls_s),
+            ms(max(b.first_call_s for b in m.buckets)),
+            ms(m.to_dict()["steady_median_s"]),
+            str(m.compiles),
+        )
+    return table
+
+
+def bench_view(console: Console, report: BenchReport) -> None:
+    """The bench table, the ratios that answer "what does kiln buy", and how the run was made."""
+    print_table(console, bench_table(report))
+    r = report.ratios()
+    console.print(
+        " · ".join(
+            f"{label} {factor(r[key])}"
+            for label, key in (
+                ("kiln/cold", "kiln/cold"),
+                ("kiln/megacache", "kiln/megacache"),
+                ("kiln/copied", "kiln/copied"),
+                ("kiln/eager", "kiln/eager"),
+                ("bake/bare compile", "bake/bare_compile"),
+            )
+        ),
+        soft_wrap=True,
+    )
+    k = report.modes.get("kiln")
+    if k and k.note:
+        console.print(f"kiln = {esc(k.note)}", soft_wrap=True)
+    if k and k.worst_first_request_ratio:
+        console.print(
+            "kiln: worst first real request after warmup = "
+            f"{factor(k.worst_first_request_ratio)} steady",
+            soft_wrap=True,
+        )
+    order = report.extra["order"]
+    order_shown = f"{order[:4]}{'…' if len(order) > 4 else ''}"
+    console.print(
+        plain(
+            f"artifact {human_bytes(report.artifact_bytes)} · restore {ms(report.restore_s)} · "
+            f"order {order_shown} · cold = {report.extra['cold_source']}"
+        ),
+        soft_wrap=True,
+    )

@@ -6,13 +6,12 @@ from pathlib import Path
 
 import typer
 from rich.console import Console
-from rich.table import Table
-from rich.text import Text
 
-from kiln.cli.options import DEVICE_INDEX, JSON, QUIET
-from kiln.cli.output import Output, esc, plain, visible
-from kiln.cli.render import bucket_table, ms
-from kiln.errors import IncompatibleError, KilnError, VerificationError
+from kiln.cli.options import DEVICE_INDEX, JSON, ORDER, QUIET
+from kiln.cli.output import Output, esc
+from kiln.cli.render import bucket_table, factor_table, ms, print_table, verify_failure
+from kiln.errors import KilnError, VerificationError
+from kiln.grid import Order
 
 
 def _reported(exc: KilnError) -> KilnError:
@@ -23,26 +22,6 @@ def _reported(exc: KilnError) -> KilnError:
 def register(app: typer.Typer) -> None:
     app.command("check")(check_cmd)
     app.command("verify")(verify_cmd)
-
-
-def factor_table(report: object, *, all_rows: bool) -> Table:
-    table = Table(title="factors", title_justify="left")
-    for col in ("factor", "baked", "here", "effect"):
-        table.add_column(col)
-    for f in report.factors:  # type: ignore[attr-defined]
-        if f.matches and not all_rows:
-            continue
-        effect = (
-            Text("ok")
-            if f.matches
-            else (
-                Text.assemble(("MISS", "red"), " ", visible(f.note))
-                if f.causes_miss
-                else plain(f"differs: {f.note}")
-            )
-        )
-        table.add_row(plain(f.name), plain(f.baked), plain(f.here), effect)
-    return table
 
 
 def check_cmd(
@@ -57,7 +36,7 @@ def check_cmd(
     report = check(target, device_index=device_index)
 
     def human(c: Console) -> None:
-        c.print(factor_table(report, all_rows=all_rows or report.ok))
+        print_table(c, factor_table(report, all_rows=all_rows or report.ok))
         if report.ok:
             c.print(f"[green]compatible[/]: {esc(report.name)} will hit here")
         else:
@@ -65,20 +44,13 @@ def check_cmd(
 
     Output(json_).emit(report.to_dict(), human)
     if not report.ok:
-        raise _reported(
-            IncompatibleError(
-                "caches would miss: "
-                + ", ".join(f"{f.name} ({f.baked!r} → {f.here!r})" for f in report.misses)
-            )
-        )
+        raise _reported(report.error())
 
 
 def verify_cmd(
     spec: Path = typer.Argument(..., help="Model spec (YAML) the artifact was baked from."),
     cache: Path = typer.Option(..., "--cache", help="Restored folder (kiln restore --dest)."),
-    order: str = typer.Option(
-        "shuffle", "--order", help="Request order: shuffle, grid or reverse."
-    ),
+    order: Order = ORDER,
     seed: int = typer.Option(0, "--seed", help="Seed for --order shuffle."),
     ready_file: Path = typer.Option(None, "--ready-file", help="Written only on success (probes)."),
     device_index: int = DEVICE_INDEX,
@@ -93,7 +65,7 @@ def verify_cmd(
         report = verify(
             spec,
             cache,
-            order=order,
+            order=order.value,
             seed=seed,
             device_index=device_index or 0,
             ready_file=ready_file,
@@ -101,13 +73,14 @@ def verify_cmd(
         )
 
     def human(c: Console) -> None:
-        c.print(bucket_table(report.buckets, f"verify {report.name} ({order} order)", verify=True))
+        title = f"verify {report.name} ({order.value} order)"
+        print_table(c, bucket_table(report.buckets, title, verify=True))
         c.print(f"ready in {ms(report.time_to_ready_s)} (process start → every bucket ran once)")
         if report.extra.get("precompile_load_s") is not None:
             loaded = ms(report.extra["precompile_load_s"])
             c.print(f"precompiled forwards loaded in {loaded}: no Dynamo tracing")
         if report.check and not report.check.ok:
-            c.print(factor_table(report.check, all_rows=False))
+            print_table(c, factor_table(report.check, all_rows=False))
         if not report.spec_matches:
             o.warn("spec differs from the one baked into this artifact")
         if report.ok:
@@ -115,4 +88,4 @@ def verify_cmd(
 
     o.emit(report.to_dict(), human)
     if not report.ok:
-        raise _reported(VerificationError("; ".join(report.reasons())))
+        raise _reported(VerificationError(verify_failure(report)))

@@ -22,7 +22,6 @@ from typing import Any, Literal
 from kiln.artifact.archive import read_manifest
 from kiln.artifact.manifest import Manifest
 from kiln.compiler.check import CheckReport, compare_manifest
-from kiln.errors import IncompatibleError
 from kiln.serving import cache_env, served_torch_kwargs
 
 log = logging.getLogger("kiln")
@@ -93,7 +92,8 @@ def activate(
     """Make this process use the caches restored at ``cache``. Call before the first compile.
 
     ``compat``: what to do when a factor in torch's cache keys differs — "fail" raises
-    :class:`IncompatibleError`, "warn" emits a :class:`CompatWarning`, "ignore" does neither.
+    :class:`~kiln.errors.IncompatibleError`, "warn" emits a :class:`CompatWarning`, "ignore"
+    does neither.
     """
     cache = Path(cache).absolute()
     manifest = read_manifest(cache)
@@ -125,12 +125,9 @@ def activate(
             manifest, fingerprint(device, device_index=device_index, keys=False)
         )
         if not report.ok:
-            names = ", ".join(
-                f"{f.name} (baked {f.baked!r}, here {f.here!r})" for f in report.misses
-            )
-            message = f"{manifest.name}: caches will miss: {names}"
             if compat == "fail":
-                raise IncompatibleError(message, detail=report.to_dict())
+                raise report.error()
+            message = report.miss_message()
             warnings.warn(message, CompatWarning, stacklevel=2)
             notes.append(message)
 

@@ -78,11 +78,12 @@ def bake(
     *,
     passes: int | None = None,
     on_event: EventSink | None = None,
-    keep_workdir: bool = False,
+    keep_workdir: Path | None = None,
 ) -> BakeResult:
     """Compile ``spec``'s grid and write a deterministic artifact to ``out``.
 
-    Nothing is written at ``out`` unless the whole bake succeeds.
+    Nothing is written at ``out`` unless the whole bake succeeds. ``keep_workdir`` moves the
+    bake's cache folder there instead of removing it (bench starts its stock modes from it).
     """
     spec = spec if isinstance(spec, Spec) else load_spec(spec)
     out = Path(out)
@@ -100,7 +101,7 @@ def bake(
         manifest = _manifest(spec, buckets, runs, pass_stats, files)
         emit(Packing(total=sum(f.size for f in files)))
         sha, size = write_artifact(out, manifest, work, on_bytes=lambda n: emit(Packed(bytes=n)))
-        kept = _keep(work, spec.name) if keep_workdir else None
+        kept = _keep(work, keep_workdir) if keep_workdir is not None else None
     return BakeResult(
         artifact=out,
         sha256=sha,
@@ -172,13 +173,13 @@ def _compile_passes(
     return runs, pass_stats
 
 
-def _keep(work: Path, name: str) -> Path:
-    """Move the finished work folder out of the way of its removal (bench compares against it).
-    Same temporary filesystem: a move, not a copy of the whole cache."""
-    kept = Path(tempfile.mkdtemp(prefix=f"kiln-bake-{name}-keep-"))
-    kept.rmdir()
-    work.rename(kept)
-    return kept
+def _keep(work: Path, target: Path) -> Path:
+    """Move the finished work folder to ``target``, out of the way of its removal (bench
+    compares against it, inside a folder it removes). Usually the same temporary filesystem:
+    a rename, not a copy of the whole cache."""
+    target.parent.mkdir(parents=True, exist_ok=True)
+    shutil.move(work, target)
+    return target
 
 
 @contextlib.contextmanager

@@ -225,7 +225,9 @@ def _bake_for_bench(spec: Spec, work: Path, emit: EventSink) -> BakeResult:
     """The artifact every kiln mode restores, baked as ``kiln bake`` would; its work folder is
     kept, since the stock modes start from the raw cache folder and blob it left."""
     emit(ModeStarted(mode="bake"))
-    return bake(spec, work / "bench.kiln.tar.zst", keep_workdir=True, on_event=emit)
+    return bake(
+        spec, work / "bench.kiln.tar.zst", keep_workdir=work / "bake-workdir", on_event=emit
+    )
 
 
 @dataclass(frozen=True)

@@ -16,6 +16,7 @@ from typing import Any
 from kiln.artifact.archive import read_manifest
 from kiln.artifact.manifest import Manifest
 from kiln.compiler.fingerprint import Factor, compare, misses
+from kiln.errors import IncompatibleError
 
 
 @dataclass
@@ -36,6 +37,19 @@ class CheckReport:
     @property
     def ok(self) -> bool:
         return not self.misses
+
+    def miss_message(self) -> str:
+        """One line naming each factor that makes caches miss, baked value against this one.
+
+        The one wording of an incompatibility: `kiln check` exits 5 with it and
+        :func:`kiln.activate` raises or warns with it, so both point at the same fix.
+        """
+        names = ", ".join(f"{f.name} (baked {f.baked!r}, here {f.here!r})" for f in self.misses)
+        return f"{self.name}: caches will miss: {names}"
+
+    def error(self) -> IncompatibleError:
+        """:meth:`miss_message` as the exit-5 error, with this report as its JSON detail."""
+        return IncompatibleError(self.miss_message(), detail=self.to_dict())
 
     def to_dict(self) -> dict[str, Any]:
         return {

@@ -1,0 +1,121 @@
+"""The command line as users run it: strict choices, exit codes, and --json everywhere.
+
+Every case here fails before anything is compiled, so the commands run in real subprocesses with
+torch blocked (``no_torch=True``): a bad flag must be exit 2 without importing torch or baking.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import typer
+
+from kiln.cli import app
+from tests.conftest import mlp_spec
+
+
+def one_error_line(stderr: str) -> str:
+    lines = stderr.strip().splitlines()
+    assert len(lines) == 1, stderr
+    assert lines[0].startswith("kiln: error: "), stderr
+    return lines[0]
+
+
+@pytest.mark.parametrize("command", ["verify", "bench"])
+def test_order_is_a_choice_and_a_bad_one_is_exit_2(
+    cli, write_spec, tmp_path: Path, command: str
+) -> None:
+    spec = write_spec(mlp_spec())
+    extra = ["--cache", str(tmp_path)] if command == "verify" else []
+    proc = cli(command, spec, *extra, "--order", "random", no_torch=True)
+    assert proc.returncode == 2, proc.stderr
+    line = one_error_line(proc.stderr)
+    assert "'random'" in line and all(o in line for o in ("shuffle", "grid", "reverse")), line
+    assert proc.stdout == ""
+    as_json = cli(command, spec, *extra, "--order", "random", "--json", no_torch=True)
+    assert as_json.returncode == 2, as_json.stderr
+    assert json.loads(as_json.stdout)["exit_code"] == 2
+
+
+def test_env_device_is_a_choice(cli) -> None:
+    proc = cli("env", "--device", "tpu", no_torch=True)
+    assert proc.returncode == 2, proc.stderr
+    line = one_error_line(proc.stderr)
+    assert "'tpu'" in line and "cpu" in line and "cuda" in line
+
+
+def test_schema_takes_json_like_every_command(cli) -> None:
+    plain = cli("schema", no_torch=True)
+    as_json = cli("schema", "--json", no_torch=True)
+    assert as_json.returncode == 0, as_json.stderr
+    assert json.loads(as_json.stdout) == json.loads(plain.stdout)
+
+
+def test_every_command_takes_json() -> None:
+    """The README promises it; a command added without it fails here."""
+    group = typer.main.get_command(app)
+    for name, command in group.commands.items():  # type: ignore[attr-defined]
+        flags = {opt for param in command.params for opt in param.opts}
+        assert "--json" in flags, name
+
+
+def test_usage_errors_are_one_line_and_json_with_json(cli, write_spec) -> None:
+    """Flags click rejects go through kiln's one error path: one line, and JSON on stdout."""
+    proc = cli("bake", write_spec(mlp_spec()), "--passes", "0", "--json", no_torch=True)
+    assert proc.returncode == 2, proc.stderr
+    assert "--passes" in one_error_line(proc.stderr)
+    assert json.loads(proc.stdout)["exit_code"] == 2
+    missing = cli("verify", no_torch=True)
+    assert missing.returncode == 2
+    assert "Missing argument" in one_error_line(missing.stderr)
+
+
+def test_env_devices_are_the_devices_a_spec_names() -> None:
+    from typing import get_args
+
+    from kiln.cli.options import Device
+    from kiln.spec import ModelSpec
+
+    named = set(get_args(ModelSpec.model_fields["device"].annotation))
+    assert {d.value for d in Device} == named
+
+
+def test_check_and_activate_word_an_incompatibility_alike(cli, tmp_path: Path) -> None:
+    """One CheckReport method words the miss: `kiln check` exits 5 with what activate raises."""
+    import subprocess
+    import sys
+
+    import kiln
+    from tests.archives import FILES, manifest_for, reg, write_archive
+
+    fingerprint = {"device.type": "cpu", "torch.version": "0.0.1+elsewhere"}
+    manifest = manifest_for(FILES, name="old-torch", fingerprint=fingerprint)
+    artifact = write_archive(
+        tmp_path / "old.kiln.tar.zst", manifest, [reg(p, d) for p, d in sorted(FILES.items())]
+    )
+    proc = cli("check", artifact)
+    assert proc.returncode == 5, proc.stderr
+    [line] = [x for x in proc.stderr.splitlines() if x.startswith("kiln: error: ")]
+    assert "torch.version (baked '0.0.1+elsewhere', here '" in line
+
+    restored = tmp_path / "restored"
+    kiln.restore(artifact, restored)
+    served = subprocess.run(  # activate() sets this process's environment: a fresh one
+        [
+            sys.executable,
+            "-c",
+            "import kiln\n"
+            "from kiln.errors import IncompatibleError\n"
+            "try:\n"
+            f"    kiln.activate({str(restored)!r}, compat='fail')\n"
+            "except IncompatibleError as exc:\n"
+            "    print(exc.message)\n",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert served.returncode == 0, served.stderr
+    assert line == f"kiln: error: {served.stdout.strip()}"

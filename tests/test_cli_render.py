@@ -1,0 +1,182 @@
+"""What the CLI prints: tables that never cut a number, and a failed verify one bucket a line.
+
+The renderers are called directly with narrow consoles (``kiln bench`` itself bakes and runs
+every mode: minutes); ``kiln inspect`` runs for real through a pipe, since it needs no torch.
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import re
+from pathlib import Path
+
+import pytest
+from rich.console import Console
+
+from kiln.artifact.manifest import BucketStats
+from kiln.cli.output import report_error
+from kiln.cli.render import bench_view, factor, ms, verify_failure
+from kiln.compiler.bench import BenchReport, ModeResult
+from kiln.compiler.verify import VerifyReport, explain
+from kiln.errors import VerificationError
+
+TIMES = {  # mode: time to ready over three repeats
+    "eager": [3.2104, 3.3, 3.1],
+    "cold": [45.61],
+    "kiln": [4.1234, 4.5, 3.99],
+    "megacache": [30.5, 31.0, 29.75],
+    "copied": [12.25, 12.5, 12.0],
+    "kiln-serial": [4.4, 4.6, 4.3],
+}
+
+
+def bench_report() -> BenchReport:
+    bucket = BucketStats(
+        key="batch=16,seq=2048",
+        sizes={"batch": 16, "seq": 2048},
+        first_call_s=1.23456,
+        compile_s=0.0,
+        steady_s=0.0012,
+    )
+    modes = {
+        name: ModeResult(name, min(runs), min(runs), 0.1234, [bucket], ready_runs_s=runs)
+        for name, runs in TIMES.items()
+    }
+    return BenchReport(
+        name="llm-default",
+        spec={},
+        fingerprint={"gpu.name": "NVIDIA H200", "torch.version": "2.13.0", "triton.version": "3.6"},
+        modes=modes,
+        bake_wall_s=50.0,
+        bare_compile_wall_s=45.0,
+        artifact_bytes=123_456_789,
+        restore_s=0.05,
+        extra={"order": ["batch=16,seq=2048"], "cold_source": "the bake's first pass"},
+    )
+
+
+def render(width: int, *, terminal: bool) -> str:
+    out = io.StringIO()
+    console = Console(
+        file=out, width=width, force_terminal=terminal, color_system=None, emoji=False
+    )
+    bench_view(console, bench_report())
+    return out.getvalue()
+
+
+def cells(line: str) -> list[str]:
+    return [c.strip() for c in re.split(r"[│┃]", line)[1:-1]]
+
+
+def expected_rows() -> list[list[str]]:
+    eager = min(TIMES["eager"])
+    rows = []
+    for mode, runs in TIMES.items():
+        ready = ms(min(runs)) + (f" ({ms(min(runs))}–{ms(max(runs))})" if len(runs) > 1 else "")
+        factor_ = factor(min(runs) / eager)
+        rows.append([mode, ready, factor_, "123.4 ms", "1.23 s", "1.23 s", "1.2 ms", "0"])
+    return rows
+
+
+@pytest.mark.parametrize("width", [80, 40])
+def test_bench_table_piped_keeps_every_cell_whole(width: int) -> None:
+    """Piped (a CI log, `| tee`), the table takes the width it needs: one line per mode."""
+    text = render(width, terminal=False)
+    assert "…" not in text.replace("order ['batch=16,seq=2048']", "")
+    for row in expected_rows():
+        [line] = [x for x in text.splitlines() if cells(x)[:1] == row[:1]]
+        assert cells(line) == row
+    ratios = bench_report().ratios()
+    assert f"kiln/cold {factor(ratios['kiln/cold'])} · kiln/megacache" in text
+
+
+def test_bench_table_in_a_terminal_wraps_between_words() -> None:
+    """80 columns cannot hold the table on one line per mode; cells wrap, numbers stay whole."""
+    text = render(80, terminal=True)
+    lines = text.splitlines()
+    table = lines[: next(i for i, x in enumerate(lines) if x.startswith("└")) + 1]
+    assert all(len(line) <= 80 for line in table)
+    words = {word for line in table for cell in cells(line) for word in cell.split()}
+    for row in expected_rows():
+        for cell in row:
+            assert set(cell.split()) <= words, cell
+
+
+def test_bench_table_in_a_narrow_terminal_folds_and_never_cuts() -> None:
+    """In a terminal the table keeps to its width: a long cell folds onto the next line, and
+    read column by column every character is still there, in order."""
+    text = render(50, terminal=True)
+    assert "…" not in text.replace("order ['batch=16,seq=2048']", "")
+    lines = text.splitlines()
+    body = lines[
+        next(i for i, x in enumerate(lines) if x.startswith("┡")) + 1 : next(
+            i for i, x in enumerate(lines) if x.startswith("└")
+        )
+    ]
+    assert body and all(len(line) <= 50 for line in lines[: lines.index(body[-1]) + 2])
+    for i, column in enumerate(zip(*expected_rows(), strict=True)):
+        shown = "".join(cells(line)[i] for line in body)
+        assert re.sub(r"\s", "", shown) == re.sub(r"\s", "", "".join(column))
+
+
+def test_inspect_through_a_pipe_keeps_bucket_keys_and_numbers_whole(cli, tmp_path: Path) -> None:
+    from tests.archives import FILES, manifest_for, reg, write_archive
+
+    key = "batch=16,seq=2048,heads=32,layers=48"
+    grid = [
+        BucketStats(
+            key=key,
+            sizes={"batch": 16, "seq": 2048, "heads": 32, "layers": 48},
+            first_call_s=12.3456,
+            compile_s=98.765,
+            steady_s=0.0123,
+            fx_hits=3,
+        )
+    ]
+    artifact = write_archive(
+        tmp_path / "a.kiln.tar.zst",
+        manifest_for(FILES, grid=grid),
+        [reg(p, d) for p, d in sorted(FILES.items())],
+    )
+    proc = cli("inspect", artifact, no_torch=True, env={"COLUMNS": "40"})
+    assert proc.returncode == 0, proc.stderr
+    [row] = [line for line in proc.stdout.splitlines() if key in line]
+    assert cells(row) == [key, "12.35 s", "98.77 s", "12.3 ms", "3/0", "0"]
+
+
+def verify_report() -> VerifyReport:
+    base = {"first_call_s": 1.0, "compile_s": 0.0, "steady_s": 0.001}
+    buckets = [
+        BucketStats(key="batch=2", sizes={"batch": 2}, **base, fx_misses=1, aot_misses=1),
+        BucketStats(key="batch=3", sizes={"batch": 3}, **base, fx_hits=1),
+        BucketStats(key="batch=5", sizes={"batch": 5}, **base, new_native=2, fx_hits=1),
+    ]
+    return VerifyReport(
+        name="tiny-mlp",
+        order=[b.key for b in buckets],
+        buckets=buckets,
+        check=None,
+        time_to_ready_s=1.0,
+        time_to_warm_s=1.0,
+        spec_matches=True,
+    )
+
+
+def test_a_failed_verify_is_a_header_and_one_line_per_bucket(capsys) -> None:
+    report = verify_report()
+    exc = VerificationError(verify_failure(report))
+    exc.reported = True  # as verify_cmd raises it: the JSON report went to stdout already
+    assert report_error(exc, json_mode=True) == 6
+    captured = capsys.readouterr()
+    assert captured.out == ""  # --json: stdout stays the one report document
+    lines = captured.err.splitlines()
+    assert lines == [
+        "kiln: error: tiny-mlp: 2 of 3 buckets compiled against the restored cache:",
+        "  " + explain(report.buckets[0]),
+        "  " + explain(report.buckets[2]),
+    ]
+    assert json.loads(json.dumps(report.to_dict()))["failing"] == [
+        explain(report.buckets[0]),
+        explain(report.buckets[2]),
+    ]
