@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import json
+import time
 from pathlib import Path
+from typing import Any
 
 import typer
 from rich.console import Console
@@ -28,6 +30,12 @@ def bake_cmd(
     passes: int = typer.Option(
         None, "--passes", min=1, max=MAX_PASSES, help="Fresh-process passes in other orders."
     ),
+    sign_key: str = typer.Option(
+        None,
+        "--sign-key",
+        help="Also write OUT.intoto.jsonl, signed provenance (PEM key path, env:NAME or fd:N; "
+        "needs torch-kiln[sign]).",
+    ),
     json_: bool = JSON,
     quiet: bool = QUIET,
 ) -> None:
@@ -38,8 +46,10 @@ def bake_cmd(
     o = Output(json_, quiet)
     parsed = load_spec(spec)
     target = out or Path(f"{parsed.name}.kiln.tar.zst")
+    signing = _signing_key(sign_key)  # before compiling: a bad key costs a second, not a bake
     with o.progress() as sink:
         result = bake(parsed, target, passes=passes, on_event=sink)
+    signed = _sign(result, signing) if signing is not None else None
 
     def human(c: Console) -> None:
         m = result.manifest
@@ -50,10 +60,38 @@ def bake_cmd(
             f"{human_bytes(m.total_bytes)} unpacked) in {result.wall_s:.1f}s"
         )
         c.print(f"sha256 {result.sha256}")
+        if signed is not None:
+            c.print(f"signed {esc(signed.attestation)} (key {esc(signed.keyid)})")
 
     for warning in result.manifest.warnings:
         o.warn(warning)
-    o.emit(result.summary(), human)
+    summary = result.summary()
+    if signed is not None:
+        summary["attestation"] = str(signed.attestation)
+    o.emit(summary, human)
+
+
+def _signing_key(ref: str | None) -> Any:
+    if ref is None:
+        return None
+    from kiln.artifact.keys import load_signing_key  # needs torch-kiln[sign]: exit 2 without
+
+    return load_signing_key(ref, "--sign-key")
+
+
+def _sign(result: Any, signing: Any) -> Any:
+    """Sign right after the artifact is written, with the bake's own manifest, digest and times."""
+    from kiln.artifact.attestation import sign
+
+    finished = time.time()
+    return sign(
+        result.artifact,
+        signing,
+        manifest=result.manifest,
+        sha256=result.sha256,
+        started=finished - result.wall_s,
+        finished=finished,
+    )
 
 
 def schema_cmd() -> None:
