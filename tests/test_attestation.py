@@ -174,8 +174,10 @@ def test_restore_without_a_key_reports_no_provenance(tmp_path: Path, art: Path, 
     assert json.loads(proc.stdout)["provenance"] is None
 
 
-def test_library_restore_verifies(tmp_path: Path, art: Path, key: KeyPair, cli) -> None:
-    sign_ok(cli, art, str(key.private))
+def test_library_sign_and_restore(tmp_path: Path, art: Path, key: KeyPair) -> None:
+    import kiln
+
+    assert kiln.sign(art, str(key.private)).attestation == Path(f"{art}.intoto.jsonl")
     result = restore(art, tmp_path / "cache", verify_keys=[key.public])
     assert result.provenance is not None and result.provenance["sha256"] == sha(art)
     assert restore(art, tmp_path / "cache", verify_keys=str(key.public)).noop
