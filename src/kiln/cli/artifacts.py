@@ -70,7 +70,7 @@ def restore_cmd(
         "$KILN_VERIFY_KEY, comma-separated): require a signed attestation for these bytes.",
     ),
     attestation: str = typer.Option(
-        None, "--attestation", help="Attestation path or URL [default: SOURCE.intoto.jsonl]."
+        None, "--attestation", help="Attestation path or URL (default: SOURCE.intoto.jsonl)."
     ),
     json_: bool = JSON,
     quiet: bool = QUIET,

@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 import time
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING
 
 import typer
 from rich.console import Console
@@ -14,6 +14,11 @@ from kiln.cli.options import DEVICE_INDEX, JSON, QUIET
 from kiln.cli.output import Output, esc
 from kiln.cli.render import bucket_table, fingerprint_table, human_bytes
 from kiln.spec import MAX_PASSES
+
+if TYPE_CHECKING:
+    from kiln.artifact.attestation import SignResult
+    from kiln.artifact.keys import SigningKey
+    from kiln.compiler.bake import BakeResult
 
 
 def register(app: typer.Typer) -> None:
@@ -34,7 +39,7 @@ def bake_cmd(
         None,
         "--sign-key",
         help="Also write OUT.intoto.jsonl, signed provenance (PEM key path, env:NAME or fd:N; "
-        "needs torch-kiln[sign]).",
+        "needs the sign extra).",
     ),
     json_: bool = JSON,
     quiet: bool = QUIET,
@@ -71,7 +76,7 @@ def bake_cmd(
     o.emit(summary, human)
 
 
-def _signing_key(ref: str | None) -> Any:
+def _signing_key(ref: str | None) -> SigningKey | None:
     if ref is None:
         return None
     from kiln.artifact.keys import load_signing_key  # needs torch-kiln[sign]: exit 2 without
@@ -79,7 +84,7 @@ def _signing_key(ref: str | None) -> Any:
     return load_signing_key(ref, "--sign-key")
 
 
-def _sign(result: Any, signing: Any) -> Any:
+def _sign(result: BakeResult, signing: SigningKey) -> SignResult:
     """Sign right after the artifact is written, with the bake's own manifest, digest and times."""
     from kiln.artifact.attestation import sign
 

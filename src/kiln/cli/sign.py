@@ -23,7 +23,7 @@ def sign_cmd(
     artifact: Path = typer.Argument(..., help="Artifact file."),
     key: str = typer.Option(..., "--key", "-k", help=KEY_HELP),
     out: Path = typer.Option(
-        None, "--out", "-o", help="Attestation path [default: ARTIFACT.intoto.jsonl]."
+        None, "--out", "-o", help="Attestation path (default: ARTIFACT.intoto.jsonl)."
     ),
     json_: bool = JSON,
 ) -> None:
