@@ -16,7 +16,8 @@ from tests.conftest import NO_TORCH
 def test_import_kiln_cli_without_torch() -> None:
     code = (
         NO_TORCH
-        + "import kiln, kiln.cli, kiln.artifact.restore, kiln.artifact.archive; print('ok')"
+        + "import kiln, kiln.cli, kiln.artifact.restore, kiln.artifact.archive, "
+        + "kiln.artifact.attestation, kiln.artifact.keys, kiln.cli.sign; print('ok')"
     )
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
     assert proc.returncode == 0, proc.stderr

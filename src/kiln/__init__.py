@@ -13,6 +13,7 @@ from __future__ import annotations
 
 from kiln._version import __version__
 from kiln.artifact.archive import read_manifest
+from kiln.artifact.attestation import sign
 from kiln.artifact.restore import RestoreResult, restore
 from kiln.artifact.storage import push
 from kiln.compiler.activate import activate
@@ -36,5 +37,6 @@ __all__ = [
     "push",
     "read_manifest",
     "restore",
+    "sign",
     "verify",
 ]

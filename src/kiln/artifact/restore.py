@@ -28,7 +28,7 @@ import stat
 import tarfile
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path, PurePosixPath
 from typing import Any, BinaryIO
@@ -41,6 +41,7 @@ from kiln.artifact.archive import (
     parse_manifest,
     read_manifest_member,
 )
+from kiln.artifact.attestation import AttestationCheck, verify_attestation
 from kiln.artifact.manifest import MANIFEST_NAME, FileEntry, Manifest, path_problem
 from kiln.artifact.storage import DEFAULT_TIMEOUT, check_timeout, fetch, is_remote, parse_digest
 from kiln.errors import IntegrityError, KilnError, UsageError
@@ -62,9 +63,11 @@ class RestoreResult:
     noop: bool
     env_file: Path
     manifest: Manifest
+    provenance: dict[str, Any] | None = None  # the verified attestation (restore --verify-key)
 
     def summary(self) -> dict[str, Any]:
         return {
+            "provenance": self.provenance,
             "dest": str(self.dest),
             "sha256": self.sha256,
             "name": self.manifest.name,
@@ -270,13 +273,17 @@ def restore(
     env_file: str | Path | None = None,
     on_event: EventSink | None = None,
     timeout: float = DEFAULT_TIMEOUT,
+    verify_keys: str | Path | Sequence[str | Path] | None = None,
+    attestation: str | None = None,
 ) -> RestoreResult:
     """Install the artifact at ``source`` (path or URL) into ``dest``.
 
     ``sha256`` pins the artifact (64 hex digits, ``sha256:`` prefix optional; anything else is
-    a :class:`UsageError`). ``timeout`` bounds a download, in seconds. Raises
-    :class:`IntegrityError` (exit 3) for a wrong digest or an unsafe/corrupt archive, with
-    ``dest`` untouched.
+    a :class:`UsageError`). ``timeout`` bounds a download, in seconds. ``verify_keys`` (public
+    key references, see :mod:`kiln.artifact.keys`) require a signed attestation
+    (``attestation``, default ``SOURCE.intoto.jsonl``) whose subject is the bytes unpacked
+    (:mod:`kiln.artifact.attestation`). Raises :class:`IntegrityError` (exit 3) for a wrong
+    digest, a bad or missing attestation or an unsafe/corrupt archive, with ``dest`` untouched.
     """
     t0 = time.time()
     emit = on_event or ignore
@@ -284,24 +291,36 @@ def restore(
     check_timeout(timeout)
     source = str(source)
     dest = _dest_path(dest)
+    # Signed provenance first: the signature before anything is fetched or locked, the subject
+    # against the digest of the bytes about to be unpacked (here the pin, later what was hashed).
+    trust = verify_attestation(source, verify_keys, attestation, timeout=timeout)
+    if trust is not None and pin is not None:
+        trust.check_subject(pin)
     if pin is not None:
         # The installed digest is checked before the lock: a no-op needs no write anywhere, so
         # it works in a read-only parent folder too.
         installed = _installed(dest)
         if installed is not None and installed[0] == pin:
             _check_dest(dest)
-            return _noop(dest, installed, env_file, t0)
+            return _attested(_noop(dest, installed, env_file, t0), trust)
     try:
         dest.parent.mkdir(parents=True, exist_ok=True)
         lock = _Lock(dest)
     except OSError as exc:
         if exc.errno not in _UNWRITABLE:
             raise
-        return _restore_unwritable(source, dest, pin, env_file, t0, exc)
+        return _attested(_restore_unwritable(source, dest, pin, env_file, t0, exc, trust), trust)
     try:
-        return _restore_locked(source, dest, pin, env_file, emit, timeout, t0)
+        return _attested(
+            _restore_locked(source, dest, pin, env_file, emit, timeout, t0, trust), trust
+        )
     finally:
         lock.release()
+
+
+def _attested(result: RestoreResult, trust: AttestationCheck | None) -> RestoreResult:
+    result.provenance = trust.summary if trust is not None else None
+    return result
 
 
 def _restore_unwritable(
@@ -311,6 +330,7 @@ def _restore_unwritable(
     env_file: str | Path | None,
     t0: float,
     exc: OSError,
+    trust: AttestationCheck | None = None,
 ) -> RestoreResult:
     """DEST's parent cannot be written (no lock, no staging): only a no-op can succeed.
 
@@ -319,6 +339,8 @@ def _restore_unwritable(
     """
     if pin is None and not is_remote(source):
         with fetch(source, dest.parent) as fetched:
+            if trust is not None:
+                trust.check_subject(fetched.sha256)
             installed = _installed(dest)
             if installed is not None and installed[0] == fetched.sha256:
                 _check_dest(dest)
@@ -337,6 +359,7 @@ def _restore_locked(
     emit: EventSink,
     timeout: float,
     t0: float,
+    trust: AttestationCheck | None = None,
 ) -> RestoreResult:
     _recover(dest, emit)
     _check_dest(dest)
@@ -356,6 +379,8 @@ def _restore_locked(
             on_bytes=lambda n, total: emit(Fetched(bytes=n, total=total)),
             timeout=timeout,
         ) as fetched:
+            if trust is not None:  # before a byte is unpacked; _extract re-hashes what it reads
+                trust.check_subject(fetched.sha256)
             if installed is not None and installed[0] == fetched.sha256:
                 return _noop(dest, installed, env_file, t0)
             tree = staging / "tree"

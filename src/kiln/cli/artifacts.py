@@ -23,11 +23,24 @@ def inspect_cmd(
     artifact: Path = typer.Argument(..., help="Artifact file or restored folder."),
     json_: bool = JSON,
 ) -> None:
-    """Show an artifact's manifest without unpacking it: fingerprint, grid, files by kind."""
+    """Show an artifact's manifest without unpacking it: fingerprint, grid, files by kind
+    (and ARTIFACT.intoto.jsonl beside it, unverified)."""
     from kiln.artifact.archive import read_manifest
+    from kiln.artifact.attestation import show_attestation
+    from kiln.cli.sign import attestation_lines
 
     m = read_manifest(artifact)
-    Output(json_).emit(m.model_dump(mode="json"), lambda c: manifest_view(c, m))
+    data = m.model_dump(mode="json")
+    seen = None if artifact.is_dir() else show_attestation(artifact)
+    if seen is not None:
+        data["attestation"] = seen
+
+    def human(c: Console) -> None:
+        manifest_view(c, m)
+        if seen is not None:
+            attestation_lines(c, seen)
+
+    Output(json_).emit(data, human)
 
 
 def restore_cmd(
@@ -50,17 +63,38 @@ def restore_cmd(
         help="Seconds the whole download may take (retries included); a connection idle for "
         "60 s, or a quarter of this if shorter, is retried.",
     ),
+    verify_key: list[str] = typer.Option(
+        None,
+        "--verify-key",
+        help="Trusted public key (PEM path, env:NAME or fd:N; repeat for rotation; default "
+        "$KILN_VERIFY_KEY, comma-separated): require a signed attestation for these bytes.",
+    ),
+    attestation: str = typer.Option(
+        None, "--attestation", help="Attestation path or URL (default: SOURCE.intoto.jsonl)."
+    ),
     json_: bool = JSON,
     quiet: bool = QUIET,
 ) -> None:
     """Fetch and unpack an artifact into DEST safely, atomically and idempotently."""
+    from kiln.artifact.attestation import describe_line
+    from kiln.artifact.keys import verify_keys_from_env
     from kiln.artifact.restore import restore
 
     o = Output(json_, quiet)
+    keys = verify_key or verify_keys_from_env()
     with o.progress() as sink:
         result = restore(
-            source, dest, sha256=sha256, env_file=env_file, on_event=sink, timeout=timeout
+            source,
+            dest,
+            sha256=sha256,
+            env_file=env_file,
+            on_event=sink,
+            timeout=timeout,
+            verify_keys=keys,
+            attestation=attestation,
         )
+    if result.provenance is not None:
+        o.note(f"attestation verified: {describe_line(result.provenance)}")
 
     def human(c: Console) -> None:
         what = "already installed" if result.noop else "restored"

@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import json
+import time
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import typer
 from rich.console import Console
@@ -12,6 +14,11 @@ from kiln.cli.options import DEVICE_INDEX, JSON, QUIET, Device
 from kiln.cli.output import Output, esc
 from kiln.cli.render import bucket_table, fingerprint_table, human_bytes, print_table
 from kiln.spec import MAX_PASSES
+
+if TYPE_CHECKING:
+    from kiln.artifact.attestation import SignResult
+    from kiln.artifact.keys import SigningKey
+    from kiln.compiler.bake import BakeResult
 
 
 def register(app: typer.Typer) -> None:
@@ -28,6 +35,12 @@ def bake_cmd(
     passes: int = typer.Option(
         None, "--passes", min=1, max=MAX_PASSES, help="Fresh-process passes in other orders."
     ),
+    sign_key: str = typer.Option(
+        None,
+        "--sign-key",
+        help="Also write OUT.intoto.jsonl, signed provenance (PEM key path, env:NAME or fd:N; "
+        "needs the sign extra).",
+    ),
     json_: bool = JSON,
     quiet: bool = QUIET,
 ) -> None:
@@ -38,8 +51,10 @@ def bake_cmd(
     o = Output(json_, quiet)
     parsed = load_spec(spec)
     target = out or Path(f"{parsed.name}.kiln.tar.zst")
+    signing = _signing_key(sign_key)  # before compiling: a bad key costs a second, not a bake
     with o.progress() as sink:
         result = bake(parsed, target, passes=passes, on_event=sink)
+    signed = _sign(result, signing) if signing is not None else None
 
     def human(c: Console) -> None:
         m = result.manifest
@@ -50,10 +65,38 @@ def bake_cmd(
             f"{human_bytes(m.total_bytes)} unpacked) in {result.wall_s:.1f}s"
         )
         c.print(f"sha256 {result.sha256}")
+        if signed is not None:
+            c.print(f"signed {esc(signed.attestation)} (key {esc(signed.keyid)})")
 
     for warning in result.manifest.warnings:
         o.warn(warning)
-    o.emit(result.summary(), human)
+    summary = result.summary()
+    if signed is not None:
+        summary["attestation"] = str(signed.attestation)
+    o.emit(summary, human)
+
+
+def _signing_key(ref: str | None) -> SigningKey | None:
+    if ref is None:
+        return None
+    from kiln.artifact.keys import load_signing_key  # needs torch-kiln[sign]: exit 2 without
+
+    return load_signing_key(ref, "--sign-key")
+
+
+def _sign(result: BakeResult, signing: SigningKey) -> SignResult:
+    """Sign right after the artifact is written, with the bake's own manifest, digest and times."""
+    from kiln.artifact.attestation import sign
+
+    finished = time.time()
+    return sign(
+        result.artifact,
+        signing,
+        manifest=result.manifest,
+        sha256=result.sha256,
+        started=finished - result.wall_s,
+        finished=finished,
+    )
 
 
 def schema_cmd(
