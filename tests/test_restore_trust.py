@@ -9,7 +9,6 @@ tmpfs mounts remounted read-only, and a subprocess that SIGKILLs itself between 
 from __future__ import annotations
 
 import hashlib
-import importlib
 import json
 import os
 import subprocess
@@ -21,6 +20,7 @@ from pathlib import Path
 
 import pytest
 
+from kiln.artifact import swap as swap_module
 from kiln.artifact.restore import restore
 from kiln.errors import IntegrityError, NotFoundError, UsageError
 from kiln.events import Event
@@ -29,8 +29,7 @@ from tests.archives import good_archive
 
 FILES = {"inductor/fxgraph/a/entry": os.urandom(5000), "inductor/xy/k.py": b"print(1)\n"}
 EVIL = {"inductor/evil.py": b"import os\n"}
-restore_module = importlib.import_module("kiln.artifact.restore")
-TEST_SWAP_ENV = "KILN_TEST_SWAP"  # restore's documented test hook (kiln.restore.TEST_SWAP_ENV)
+TEST_SWAP_ENV = swap_module.TEST_SWAP_ENV  # restore's documented test hook
 
 
 def tree(d: Path) -> dict[str, bytes]:
@@ -375,7 +374,7 @@ def test_lock_stays_exclusive_while_holders_remove_it(tmp_path: Path) -> None:
     def worker() -> None:
         nonlocal inside
         for _ in range(40):
-            lock = restore_module._Lock(dest)
+            lock = swap_module.Lock(dest)
             try:
                 with guard:
                     inside += 1
