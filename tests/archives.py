@@ -272,3 +272,12 @@ HOSTILE: list[Hostile] = [
     Hostile("pax-chain", _pax_chain, "header"),
     Hostile("folder-flood", _folder_flood, "more than the", manifest_level=False),
 ]
+
+
+def tree(d: Path) -> dict[str, bytes]:
+    """Every file under ``d`` with its bytes ({} when ``d`` is missing): DEST before and after."""
+    if not d.exists():
+        return {}
+    return {
+        p.relative_to(d).as_posix(): p.read_bytes() for p in sorted(d.rglob("*")) if p.is_file()
+    }

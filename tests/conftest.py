@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
+import signal
 import subprocess
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -105,3 +108,30 @@ def baked(tmp_path_factory: pytest.TempPathFactory):
     spec_path.write_text(mlp_spec())
     result = kiln.bake(spec_path, d / "tiny-mlp.kiln.tar.zst")
     return spec_path, result
+
+
+@pytest.fixture
+def installed(tmp_path: Path) -> Path:
+    """A DEST that already holds a restored artifact: every attack must leave it as it was."""
+    from kiln.artifact.restore import restore
+    from tests.archives import good_archive
+
+    dest = tmp_path / "cache"
+    restore(good_archive(tmp_path / "old.kiln.tar.zst", {"inductor/old": b"old"}), dest)
+    return dest
+
+
+@contextlib.contextmanager
+def hard_limit(seconds: float) -> Iterator[None]:
+    """Fail instead of hanging: hypothesis' deadline only judges an example once it returns."""
+
+    def expire(_signum: int, _frame: object) -> None:
+        raise TimeoutError(f"still running after {seconds}s")
+
+    previous = signal.signal(signal.SIGALRM, expire)
+    signal.setitimer(signal.ITIMER_REAL, seconds)
+    try:
+        yield
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, previous)

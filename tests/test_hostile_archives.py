@@ -23,27 +23,13 @@ from tests.archives import (
     HOSTILE,
     MARKUP,
     Hostile,
-    good_archive,
     manifest_for,
     reg,
+    tree,
     write_archive,
 )
 
 BY_ID = {h.id: h for h in HOSTILE}
-
-
-def tree(d: Path) -> dict[str, bytes]:
-    return {
-        p.relative_to(d).as_posix(): p.read_bytes() for p in sorted(d.rglob("*")) if p.is_file()
-    }
-
-
-@pytest.fixture
-def installed(tmp_path: Path) -> Path:
-    """A DEST that already holds a restored artifact: every attack must leave it as it was."""
-    dest = tmp_path / "cache"
-    restore(good_archive(tmp_path / "old.kiln.tar.zst", {"inductor/old": b"old"}), dest)
-    return dest
 
 
 def leftovers(dest: Path) -> list[str]:

@@ -9,14 +9,11 @@ random search run it with ``KILN_FUZZ_EXAMPLES=5000``.
 
 from __future__ import annotations
 
-import contextlib
 import io
 import json
 import os
-import signal
 import tarfile
 import tempfile
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -31,7 +28,8 @@ from kiln.artifact.archive import parse_manifest
 from kiln.artifact.manifest import Manifest
 from kiln.cli.render import manifest_view
 from kiln.errors import IntegrityError, KilnError, NotFoundError, UsageError
-from tests.archives import FILES, good_archive, manifest_for, reg, write_archive
+from tests.archives import FILES, good_archive, manifest_for, reg, tree, write_archive
+from tests.conftest import hard_limit
 
 EXPECTED = (IntegrityError, UsageError, NotFoundError)
 _DEEP = os.environ.get("KILN_FUZZ_EXAMPLES")
@@ -42,22 +40,6 @@ FUZZ = settings(
     database=None,
     suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
 )
-
-
-@contextlib.contextmanager
-def _no_hang(seconds: float) -> Iterator[None]:
-    """Fail (not block) if the body runs longer than ``seconds``: a hang is a finding."""
-
-    def expired(signum: int, frame: object) -> None:
-        raise TimeoutError(f"reader still running after {seconds}s")
-
-    previous = signal.signal(signal.SIGALRM, expired)
-    signal.setitimer(signal.ITIMER_REAL, seconds)
-    try:
-        yield
-    finally:
-        signal.setitimer(signal.ITIMER_REAL, 0)
-        signal.signal(signal.SIGALRM, previous)
 
 
 def _acceptable(exc: BaseException) -> bool:
@@ -75,20 +57,12 @@ def _render(manifest: Manifest) -> None:
 
 def check_parse(data: bytes) -> None:
     try:
-        with _no_hang(10):
+        with hard_limit(10):
             manifest = parse_manifest(data)
     except Exception as exc:  # the property: which exceptions escape
         assert isinstance(exc, (IntegrityError, UsageError)), repr(exc)
         return
     _render(manifest)
-
-
-def tree(d: Path) -> dict[str, bytes]:
-    if not d.exists():
-        return {}
-    return {
-        p.relative_to(d).as_posix(): p.read_bytes() for p in sorted(d.rglob("*")) if p.is_file()
-    }
 
 
 @pytest.fixture(scope="module")
@@ -102,7 +76,7 @@ def workdir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 def check_archive(art: Path, dest: Path) -> None:
     """read_manifest and restore of ``art``: success or a documented error, DEST intact."""
     try:
-        with _no_hang(10):
+        with hard_limit(10):
             manifest = kiln.read_manifest(art)
     except Exception as exc:
         assert _acceptable(exc), repr(exc)
@@ -110,7 +84,7 @@ def check_archive(art: Path, dest: Path) -> None:
         _render(manifest)
     before = tree(dest)
     try:
-        with _no_hang(10):
+        with hard_limit(10):
             kiln.restore(art, dest)
     except Exception as exc:
         assert _acceptable(exc), repr(exc)

@@ -21,23 +21,9 @@ import pytest
 from kiln.artifact.restore import restore
 from kiln.errors import IntegrityError, KilnError, NotFoundError, UsageError
 from kiln.serving import ENV_NAME
-from tests.archives import good_archive, manifest_for, reg, special, write_archive
+from tests.archives import good_archive, manifest_for, reg, special, tree, write_archive
 
 FILES = {"inductor/fxgraph/a/entry": b"A" * 1000, "inductor/xy/k.py": b"print(1)\n"}
-
-
-def tree(d: Path) -> dict[str, bytes]:
-    return {
-        p.relative_to(d).as_posix(): p.read_bytes() for p in sorted(d.rglob("*")) if p.is_file()
-    }
-
-
-@pytest.fixture
-def installed(tmp_path: Path) -> Path:
-    """A DIR that already holds a restored artifact: every attack must leave it as it was."""
-    dest = tmp_path / "cache"
-    restore(good_archive(tmp_path / "old.kiln.tar.zst", {"inductor/old": b"old"}), dest)
-    return dest
 
 
 def attack(tmp_path: Path, installed: Path, members, manifest_files=None, match: str = "") -> None:

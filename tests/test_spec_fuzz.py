@@ -10,11 +10,8 @@ perturbed. A hard timer turns a hang into a failure instead of a stuck suite.
 
 from __future__ import annotations
 
-import contextlib
 import json
-import signal
 import string
-from collections.abc import Iterator
 from datetime import timedelta
 from typing import Any
 
@@ -27,7 +24,7 @@ from kiln.errors import ExitCode, SpecError
 from kiln.grid import expand
 from kiln.serving import torch_kwargs
 from kiln.spec import Spec, parse_spec
-from tests.conftest import mlp_spec
+from tests.conftest import hard_limit, mlp_spec
 
 FUZZ = settings(
     max_examples=150,
@@ -36,22 +33,6 @@ FUZZ = settings(
     suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
 )
 HARD_LIMIT_S = 10  # a hang, not a slow example
-
-
-@contextlib.contextmanager
-def hard_limit(seconds: float) -> Iterator[None]:
-    """Fail instead of hanging: hypothesis' deadline only judges an example once it returns."""
-
-    def expire(_signum: int, _frame: Any) -> None:
-        raise TimeoutError(f"parse_spec ran for more than {seconds}s")
-
-    previous = signal.signal(signal.SIGALRM, expire)
-    signal.setitimer(signal.ITIMER_REAL, seconds)
-    try:
-        yield
-    finally:
-        signal.setitimer(signal.ITIMER_REAL, 0)
-        signal.signal(signal.SIGALRM, previous)
 
 
 def check(text: str) -> Spec | None:
