@@ -15,10 +15,10 @@ from pydantic import ValidationError
 from rich.console import Console
 
 import kiln
-from kiln.artifact.manifest import BucketStats
+from kiln.artifact.manifest import NEW_FILES_SAMPLE, BucketStats, CompileCounts
 from kiln.cli.output import Output
 from kiln.compiler.bench import ALL_MODES, EXTRA_MODES, MODES
-from kiln.compiler.counters import NEW_FILES_SAMPLE, BucketCompiles, CompileCounters
+from kiln.compiler.counters import CompileCounters, compile_counts
 from kiln.compiler.launch import HEARTBEAT_S, heartbeat_interval, relay_events
 from kiln.compiler.protocol import WorkerFailure, WorkerOutcome, WorkerRequest
 from kiln.errors import ExitCode, UsageError
@@ -88,10 +88,10 @@ def test_bucket_compiles_count_what_a_step_built() -> None:
         "ab/k1.best_config",
     }
     # An FX hit replays the GEMM autotunes its compile recorded: not counted without a compile.
-    hit = BucketCompiles.of(CompileCounters(fx_hits=1, gemm_autotunes=5, bundled_kernels=2), new)
+    hit = compile_counts(CompileCounters(fx_hits=1, gemm_autotunes=5, bundled_kernels=2), new)
     assert (hit.new_native, hit.autotunes) == (1, 1)  # 3 binaries, 2 bundled; 1 .best_config
-    assert hit.new_files == tuple(sorted(new - {"fxgraph/ab/entry"}))
-    miss = BucketCompiles.of(
+    assert hit.new_files == sorted(new - {"fxgraph/ab/entry"})
+    miss = compile_counts(
         CompileCounters(fx_misses=1, gemm_autotunes=5, coordesc_benchmarks=2),
         set(),
         recompile_reasons=["size mismatch"],
@@ -99,12 +99,12 @@ def test_bucket_compiles_count_what_a_step_built() -> None:
     )
     assert miss.autotunes == 7
     both = hit + miss
-    assert both.recompile_reasons == ("size mismatch",) and both.precompile_misses == 1
+    assert both.recompile_reasons == ["size mismatch"] and both.precompile_misses == 1
     stats = BucketStats(
-        key="batch=2", sizes={"batch": 2}, first_call_s=1, steady_s=0.1, **both.fields()
+        key="batch=2", sizes={"batch": 2}, first_call_s=1, steady_s=0.1, **both.counts()
     )
     assert stats.compiles == 1 + 1 + 8 + 1  # FX miss, binary, autotunes, precompile miss
-    many = BucketCompiles(new_files=tuple(f"{i}.so" for i in range(10)))
+    many = CompileCounts(new_files=[f"{i}.so" for i in range(10)])
     assert len((many + many).new_files) == NEW_FILES_SAMPLE
 
 

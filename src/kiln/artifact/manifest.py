@@ -110,13 +110,17 @@ class FileEntry(_Model):
         return path
 
 
-class BucketStats(_Model):
-    key: str
-    sizes: dict[str, int]
-    first_call_s: float
-    compile_s: float
-    steady_s: float
-    first_request_s: float | None = None
+NEW_FILES_SAMPLE = 12  # file names kept per bucket: enough to say which kernels were built
+
+
+class CompileCounts(_Model):
+    """What compiled (or only loaded) during some calls: the counts a bucket is judged by.
+
+    The worker measures one per step (a bucket's first call, its warm calls) and adds them up;
+    :class:`BucketStats` is a bucket's total plus its timings.
+    """
+
+    compile_s: float = 0.0
     fx_hits: int = 0
     fx_misses: int = 0
     fx_bypass: int = 0
@@ -138,7 +142,7 @@ class BucketStats(_Model):
 
     @property
     def compiles(self) -> int:
-        """Everything that compiled in this bucket: zero is the definition of a warm cache."""
+        """Everything that compiled: zero is the definition of a warm cache."""
         return (
             self.fx_misses
             + self.fx_bypass
@@ -147,6 +151,25 @@ class BucketStats(_Model):
             + self.autotunes
             + self.precompile_misses
         )
+
+    def counts(self) -> dict[str, Any]:
+        """Only the :class:`CompileCounts` fields (a :class:`BucketStats` has more)."""
+        return {name: getattr(self, name) for name in CompileCounts.model_fields}
+
+    def __add__(self, other: CompileCounts) -> CompileCounts:
+        summed = {name: getattr(self, name) + getattr(other, name) for name in CompileCounts.model_fields}
+        summed["new_files"] = summed["new_files"][:NEW_FILES_SAMPLE]
+        return CompileCounts(**summed)
+
+
+class BucketStats(CompileCounts):
+    """One bucket of a grid pass: its compile counts and how long its calls took."""
+
+    key: str
+    sizes: dict[str, int]
+    first_call_s: float
+    steady_s: float
+    first_request_s: float | None = None
 
 
 class PassStats(_Model):

@@ -33,9 +33,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, TypeVar
 
-from kiln.artifact.manifest import BucketStats
+from kiln.artifact.manifest import BucketStats, CompileCounts
 from kiln.compiler.capture import snapshot
-from kiln.compiler.counters import BucketCompiles, CompileCounters
+from kiln.compiler.counters import CompileCounters, compile_counts
 from kiln.compiler.protocol import (
     MegacacheInfo,
     WorkerFailure,
@@ -480,11 +480,11 @@ class _Meter:
     def _files(self) -> set[str]:
         return snapshot(self.root) if self.root else set()
 
-    def measure(self, step: Callable[[], _T]) -> tuple[_T, BucketCompiles]:
+    def measure(self, step: Callable[[], _T]) -> tuple[_T, CompileCounts]:
         before, files = CompileCounters.read(), self._files()
         logged, missed = len(self.recompiles.messages), self.forward.misses
         value = step()
-        compiles = BucketCompiles.of(
+        compiles = compile_counts(
             CompileCounters.read() - before,
             self._files() - files,
             recompile_reasons=self.recompiles.messages[logged:],
@@ -503,9 +503,9 @@ class _Grid:
     forward: _Forward
     meter: _Meter
 
-    def first_pass(self, order: list[Bucket]) -> dict[str, tuple[float, BucketCompiles]]:
+    def first_pass(self, order: list[Bucket]) -> dict[str, tuple[float, CompileCounts]]:
         """Phase 1: every bucket once, in request order. "Ready" in bench terms ends here."""
-        out: dict[str, tuple[float, BucketCompiles]] = {}
+        out: dict[str, tuple[float, CompileCounts]] = {}
         for i, bucket in enumerate(order):
             inputs = make_inputs(self.spec, bucket, self.device, self.seeds[bucket.key])
             _emit(BucketStarted(phase="first", index=i, key=bucket.key))
@@ -516,11 +516,11 @@ class _Grid:
 
     def warm_pass(
         self, order: list[Bucket], request: WorkerRequest, *, calls: int
-    ) -> dict[str, tuple[float | None, float, BucketCompiles]]:
+    ) -> dict[str, tuple[float | None, float, CompileCounts]]:
         """Phase 2: the remaining warmup calls (CUDA graphs record here), then a fresh "first
         real request" and the steady-state latency. Compiles here count too: a bucket that
         recompiles on its second call is not warm."""
-        out: dict[str, tuple[float | None, float, BucketCompiles]] = {}
+        out: dict[str, tuple[float | None, float, CompileCounts]] = {}
         for i, bucket in enumerate(order):
             seed = self.seeds[bucket.key]
             inputs = make_inputs(self.spec, bucket, self.device, seed)
@@ -553,8 +553,8 @@ def _calls(request: WorkerRequest, spec: Spec) -> int:
 
 def _bucket_stats(
     bucket: Bucket,
-    first: tuple[float, BucketCompiles],
-    warm: tuple[float | None, float, BucketCompiles],
+    first: tuple[float, CompileCounts],
+    warm: tuple[float | None, float, CompileCounts],
 ) -> BucketStats:
     first_call_s, first_compiles = first
     first_request_s, steady_s, warm_compiles = warm
@@ -564,7 +564,7 @@ def _bucket_stats(
         first_call_s=first_call_s,
         steady_s=steady_s,
         first_request_s=first_request_s,
-        **(first_compiles + warm_compiles).fields(),
+        **(first_compiles + warm_compiles).counts(),
     )
 
 
