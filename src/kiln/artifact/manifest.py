@@ -157,7 +157,8 @@ class CompileCounts(_Model):
         return {name: getattr(self, name) for name in CompileCounts.model_fields}
 
     def __add__(self, other: CompileCounts) -> CompileCounts:
-        summed = {name: getattr(self, name) + getattr(other, name) for name in CompileCounts.model_fields}
+        names = CompileCounts.model_fields
+        summed = {name: getattr(self, name) + getattr(other, name) for name in names}
         summed["new_files"] = summed["new_files"][:NEW_FILES_SAMPLE]
         return CompileCounts(**summed)
 
