@@ -15,11 +15,15 @@ import json
 import threading
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
-import torch
+from kiln.compiler.launch import ignore_numpy_warning
 
-import kiln
-from kiln.compiler.worker import make_inputs, resolve_factory
-from kiln.grid import expand
+ignore_numpy_warning()  # before torch's import: its CPU wheel warns when numpy is absent
+
+import torch  # noqa: E402
+
+import kiln  # noqa: E402
+from kiln.compiler.worker import make_inputs, resolve_factory  # noqa: E402
+from kiln.grid import expand  # noqa: E402
 
 
 def main() -> None:

@@ -197,6 +197,9 @@ class Manifest(_Model):
     files: list[FileEntry] = Field(max_length=MAX_FILES)
     megacache: str | None = None  # path of the Mega-Cache blob in the artifact, if captured
     precompiled: str | None = None  # path of the AOT-compiled forwards (compile.precompile)
+    # Digest of what a reproducible bake must reproduce: cache keys and code, not torch's
+    # measured entries or timings (kiln.compiler.capture.payload_sha256). None: older kilns.
+    payload_sha256: str | None = None
     # torch.compile(**compile_kwargs) exactly as the bake called it (None: baked before kiln
     # recorded it). Serving passes these (kiln.serving.served_torch_kwargs), not whatever this
     # kiln would derive from the spec.

@@ -17,6 +17,7 @@ import typer
 from kiln._version import __version__
 from kiln.cli import artifacts, bench, build, serve, sign
 from kiln.cli.output import report_error
+from kiln.compiler.launch import ignore_numpy_warning
 from kiln.errors import ExitCode
 
 app = typer.Typer(
@@ -65,6 +66,7 @@ def main() -> None:
     exit 2, and the JSON error object on stdout with ``--json``.
     """
     signal.signal(signal.SIGTERM, _terminated)
+    ignore_numpy_warning()  # env, check, verify import torch in this process
     try:
         code = app(standalone_mode=False)
     except SystemExit:

@@ -28,7 +28,7 @@ from typing import Any
 
 from kiln.artifact.archive import sha256_file, source_date_epoch, write_artifact
 from kiln.artifact.manifest import Manifest, PassStats
-from kiln.compiler.capture import capture
+from kiln.compiler.capture import capture, payload_sha256
 from kiln.compiler.launch import WorkerRun, run_worker
 from kiln.compiler.protocol import WorkerRequest
 from kiln.errors import UsageError
@@ -235,6 +235,9 @@ def _manifest(
             "unique_graphs": float(sum(b.unique_graphs for b in grid)),
         },
         files=files,
+        # Extra field (manifests allow them): equal for two bakes that compiled the same thing,
+        # while the artifact digest also covers timings (kiln.compiler.capture explains).
+        payload_sha256=payload_sha256(files),
         megacache=MEGACACHE_NAME if any(f.path == MEGACACHE_NAME for f in files) else None,
         precompiled=PRECOMPILED_NAME if any(f.path == PRECOMPILED_NAME for f in files) else None,
         compile_kwargs=torch_kwargs(spec.compile),

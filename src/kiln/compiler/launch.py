@@ -20,6 +20,7 @@ import subprocess
 import sys
 import tempfile
 import time
+import warnings
 from dataclasses import dataclass
 from pathlib import Path
 from typing import IO
@@ -45,6 +46,19 @@ from kiln.spec import Spec, error_at
 HEARTBEAT_ENV = "KILN_HEARTBEAT_S"
 HEARTBEAT_S = 15.0  # default: often enough for a CI log, rare enough not to drown it
 _LOG_TAIL = 15  # lines of the worker's stderr shown with an error
+# What torch's CPU wheel says at import when numpy is absent. kiln never hands torch a numpy
+# array, so it is noise on every command that imports torch.
+NUMPY_WARNING = "Failed to initialize NumPy"
+
+
+def ignore_numpy_warning() -> None:
+    """Hide torch's "Failed to initialize NumPy" UserWarning in this process, and only it.
+
+    Called before torch is imported by kiln's own processes (the CLI, the grid worker, the
+    example server): the warning is raised once, from C++, during ``import torch``. Filtered by
+    message and category, so every other warning torch or the model raises still shows.
+    """
+    warnings.filterwarnings("ignore", message=NUMPY_WARNING, category=UserWarning)
 
 
 @dataclass(frozen=True)

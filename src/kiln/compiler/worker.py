@@ -36,6 +36,7 @@ from typing import TYPE_CHECKING, Any, TypeVar
 from kiln.artifact.manifest import BucketStats, CompileCounts
 from kiln.compiler.capture import snapshot
 from kiln.compiler.counters import CompileCounters, compile_counts
+from kiln.compiler.launch import ignore_numpy_warning
 from kiln.compiler.protocol import (
     MegacacheInfo,
     WorkerFailure,
@@ -606,6 +607,7 @@ def _cache_info_counts(info: Any) -> dict[str, int]:
 def main(argv: list[str] | None = None) -> int:
     """``python -m kiln.compiler.worker REQUEST.json OUTCOME.json``; exit codes as kiln's."""
     args = sys.argv[1:] if argv is None else argv
+    ignore_numpy_warning()
     request_path, outcome_path = Path(args[0]), Path(args[1])
     request = WorkerRequest.model_validate_json(request_path.read_text())
     try:
