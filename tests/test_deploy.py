@@ -59,19 +59,53 @@ def test_docker_example_restore_line_runs(tmp_path: Path, cli) -> None:
     env_line = next(i for i in serving if i.startswith("ENV "))
     assert f"TORCHINDUCTOR_CACHE_DIR={dest}/inductor" in env_line
     assert any("COPY --from=caches" in i and str(dest) in i for i in serving)
+    # The build verifies the signature, with the public key from a build secret.
+    key_path = args[args.index("--verify-key") + 1]
+    secret = re.search(r"--mount=type=secret,id=([\w-]+)", run)
+    assert secret and key_path == f"/run/secrets/{secret.group(1)}"
     # Run the same command line, with the build's paths mapped into a temp folder.
     art = good_archive(tmp_path / "tiny-gpt.kiln.tar.zst")
     digest = kiln.restore(art, tmp_path / "probe").sha256
+    private, public = signing_key(tmp_path)
     mapping = {
         "${KILN_SOURCE}": str(art),
         "${KILN_SHA256}": digest,
         str(dest): str(tmp_path / "opt/kiln/cache"),
+        key_path: str(public),
     }
     real = [mapping.get(a, a) for a in args[1:]]
     proc = cli(*real, no_torch=True)
+    assert proc.returncode == 3, proc.stderr  # unsigned: refused
+    assert "no attestation there" in proc.stderr
+    kiln.sign(art, str(private))
+    proc = cli(*real, no_torch=True)
     assert proc.returncode == 0, proc.stderr
+    assert "attestation verified" in proc.stderr
     env = (tmp_path / "opt/kiln/cache/kiln.env").read_text()
     assert f"TORCHINDUCTOR_CACHE_DIR={tmp_path}/opt/kiln/cache/inductor" in env
+
+
+def signing_key(tmp_path: Path) -> tuple[Path, Path]:
+    """An Ed25519 key pair as PEM files, as `openssl genpkey`/`openssl pkey -pubout` make them."""
+    pytest.importorskip("securesystemslib", reason="needs the [sign] extra")
+    from cryptography.hazmat.primitives import serialization
+    from cryptography.hazmat.primitives.asymmetric import ed25519
+
+    key = ed25519.Ed25519PrivateKey.generate()
+    private, public = tmp_path / "kiln-sign.pem", tmp_path / "kiln-sign.pub.pem"
+    private.write_bytes(
+        key.private_bytes(
+            serialization.Encoding.PEM,
+            serialization.PrivateFormat.PKCS8,
+            serialization.NoEncryption(),
+        )
+    )
+    public.write_bytes(
+        key.public_key().public_bytes(
+            serialization.Encoding.PEM, serialization.PublicFormat.SubjectPublicKeyInfo
+        )
+    )
+    return private, public
 
 
 def load_deployment() -> dict:
@@ -118,12 +152,100 @@ def test_ci_workflow_wiring() -> None:
     ]
     assert order == sorted(order)
     assert jobs["image"]["needs"] == "bake"
-    build = " ".join(s.get("run", "") for s in jobs["image"]["steps"])
+    build = " ".join(
+        s.get("run", "")
+        for s in jobs["image"]["steps"]
+        if "examples/docker/Dockerfile" in s.get("run", "")
+    )
     for output in jobs["bake"]["outputs"]:
         assert f"needs.bake.outputs.{output}" in build
     docker_args = set(re.findall(r"--build-arg (\w+)=", build))
     declared = set(re.findall(r"ARG (\w+)", (ROOT / "examples/docker/Dockerfile").read_text()))
     assert docker_args <= declared
+
+
+def dockerfile_args(path: Path) -> dict[str, str | None]:
+    """ARG name → its default (None when it has none), over every stage."""
+    return {
+        m.group(1): m.group(2)
+        for m in re.finditer(r"^ARG (\w+)(?:=(\S+))?", path.read_text(), re.MULTILINE)
+    }
+
+
+def test_the_examples_tell_one_story() -> None:
+    """Issue 17, item 2: CI bakes, signs and pushes the spec the image serves and the Kubernetes
+    example runs (a GPU spec, on a GPU), and builds exactly the images they use."""
+    from kiln.spec import load_spec
+
+    wf = yaml.safe_load((ROOT / "examples/ci/github-actions.yml").read_text())
+    env, jobs = wf["env"], wf["jobs"]
+    bake_steps, image_steps = jobs["bake"]["steps"], jobs["image"]["steps"]
+    bake_run = " ".join(s.get("run", "") for s in bake_steps)
+    image_run = " ".join(s.get("run", "") for s in image_steps)
+    docker_args = dockerfile_args(ROOT / "examples/docker/Dockerfile")
+    pod = load_deployment()["spec"]["template"]["spec"]
+    (init,), (server,) = pod["initContainers"], pod["containers"]
+
+    # The spec: baked in CI = served by the image = served and verified in Kubernetes; on cuda.
+    spec = env["KILN_SPEC"]
+    assert 'kiln bake "$KILN_SPEC"' in bake_run and 'kiln verify "$KILN_SPEC"' in bake_run
+    assert docker_args["KILN_SPEC"] == spec
+    assert "--build-arg KILN_SPEC=${{ env.KILN_SPEC }}" in image_run
+    script = server["args"][0]
+    served = set(re.findall(r"/app/(configs/\S+\.yaml)", script))
+    assert served == {spec}
+    assert load_spec(ROOT / spec).model.device == "cuda"
+    assert server["resources"]["limits"]["nvidia.com/gpu"] == 1
+    # The CPU variant: the same model and grid, on cpu, shipped in the image too.
+    cpu = load_spec(ROOT / "configs/tiny-gpt.yaml")
+    gpu = load_spec(ROOT / spec)
+    assert cpu.model.device == "cpu"
+    assert cpu.model.kwargs == gpu.model.kwargs and cpu.buckets == gpu.buckets
+    assert re.search(
+        r"COPY configs/tiny-gpt\.yaml configs/tiny-gpt-cuda\.yaml /app/configs/",
+        (ROOT / "examples/docker/Dockerfile").read_text(),
+    )
+
+    # Signed in the bake step with a CI secret, verified by every consumer.
+    bake_step = next(s for s in bake_steps if "kiln bake" in s.get("run", ""))
+    assert "--sign-key env:KILN_SIGNING_KEY" in bake_step["run"]
+    assert bake_step["env"]["KILN_SIGNING_KEY"] == "${{ secrets.KILN_SIGNING_KEY }}"
+    assert "--verify-key" in next(
+        s["run"] for s in bake_steps if "kiln restore" in s.get("run", "")
+    )
+    key_arg = init["args"][init["args"].index("--verify-key") + 1]
+    mounts = {m["mountPath"]: m["name"] for m in init["volumeMounts"]}
+    mount = next(path for path in mounts if key_arg.startswith(path + "/"))
+    volume = next(v for v in pod["volumes"] if v["name"] == mounts[mount])
+    assert "configMap" in volume or "secret" in volume
+    assert re.search(r"--secret id=kiln-verify-key,src=", image_run)
+
+    # The images: CI builds the Docker example's bases under its default names, from the root
+    # Dockerfile's targets, and pushes the two Kubernetes runs.
+    assert (
+        f"--target restore --build-arg KILN_EXTRAS=oci,sign -t {docker_args['KILN_IMAGE']} ."
+        in image_run
+    )
+    assert f"--target bake -t {docker_args['SERVING_IMAGE']} ." in image_run
+    registry = env["REGISTRY"]
+    expanded = image_run.replace("${{ env.REGISTRY }}", registry)
+    tags = re.findall(r"-t (\S+)", expanded)
+    pushed = re.findall(r"docker push (\S+)", expanded)
+    assert (
+        f"docker tag {docker_args['KILN_IMAGE']} ${{{{ env.REGISTRY }}}}/kiln:restore" in image_run
+    )
+    assert init["image"] == f"{registry}/kiln:restore" and init["image"] in pushed
+    server_tag = next(t for t in tags if "tiny-gpt-server" in t)
+    release = wf[True]["push"]["tags"][0]  # "v*": github.ref_name is such a tag
+    expected = server_tag
+    assert server["image"].rsplit(":", 1)[0] == expected.rsplit(":", 1)[0]
+    assert re.fullmatch(release.replace("*", ".+"), server["image"].rsplit(":", 1)[1])
+    assert expected in pushed
+    # The artifact: pushed with its attestation to the repository the init container restores.
+    push_run = next(s["run"] for s in bake_steps if "kiln push" in s.get("run", ""))
+    repo = re.search(r'"oci://\$REGISTRY/([\w-]+):', push_run).group(1)
+    assert init["args"][1].startswith(f"oci://{registry}/{repo}@sha256:")
+    assert ".attestation" in push_run
 
 
 @pytest.mark.slow

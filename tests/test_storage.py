@@ -112,7 +112,8 @@ def test_push_to_a_folder_keeps_the_file_name(tmp_path: Path, cli) -> None:
         proc = cli("push", art, dest, "--json", no_torch=True)
         assert proc.returncode == 0, proc.stderr
         pushed = json.loads(proc.stdout)
-        assert set(pushed) == {"dest", "sha256", "size"}
+        assert set(pushed) == {"dest", "sha256", "size", "attestation"}
+        assert pushed["attestation"] is None  # not signed: nothing beside it to upload
         assert tmp_path / pushed["dest"] == expected  # the CLI ran in tmp_path
         assert pushed["sha256"] == sha(expected) == sha(art)
         assert expected.is_file()
@@ -258,3 +259,143 @@ def test_a_missing_extra_is_one_line_and_exit_2(tmp_path: Path, source: str, ext
         f"kiln: error: this source needs the {extra!r} extra: pip install 'torch-kiln[{extra}]'"
     )
     assert not (tmp_path / "c").exists()
+
+
+# --- signed artifacts: the attestation travels with the artifact (issue 12) -----------------
+
+
+def signed(tmp_path: Path, name: str = "a") -> tuple[Path, Path, Path]:
+    """A signed artifact (ARTIFACT.intoto.jsonl beside it), its public key and another key's."""
+    pytest.importorskip("securesystemslib", reason="needs the [sign] extra")
+    from cryptography.hazmat.primitives import serialization
+    from cryptography.hazmat.primitives.asymmetric import ed25519
+
+    from kiln.artifact.attestation import sign
+
+    pems = []
+    for label in ("key", "other"):
+        key = ed25519.Ed25519PrivateKey.generate()
+        private, public = tmp_path / f"{label}.pem", tmp_path / f"{label}.pub.pem"
+        private.write_bytes(
+            key.private_bytes(
+                serialization.Encoding.PEM,
+                serialization.PrivateFormat.PKCS8,
+                serialization.NoEncryption(),
+            )
+        )
+        public.write_bytes(
+            key.public_key().public_bytes(
+                serialization.Encoding.PEM, serialization.PublicFormat.SubjectPublicKeyInfo
+            )
+        )
+        pems.append((private, public))
+    art = good_archive(tmp_path / f"{name}.kiln.tar.zst", FILES)
+    sign(art, str(pems[0][0]))
+    return art, pems[0][1], pems[1][1]
+
+
+def verified_round_trip(cli, source: str, tmp_path: Path, good: Path, bad: Path, **kw) -> None:
+    """Restore ``source`` with the right key (0), then with a wrong one into a DEST that holds
+    another artifact (3, DEST byte-identical)."""
+    tmp_path.mkdir(parents=True, exist_ok=True)
+    proc = cli("restore", source, "--dest", tmp_path / "ok", "--verify-key", good, **kw)
+    assert proc.returncode == 0, proc.stderr
+    assert "attestation verified" in proc.stderr
+    assert (tmp_path / "ok/inductor/xy/k.py").read_bytes() == FILES["inductor/xy/k.py"]
+    dest = tmp_path / "untouched"
+    kiln.restore(good_archive(tmp_path / "old.kiln.tar.zst", {"inductor/old": b"old"}), dest)
+    before = {p: p.read_bytes() for p in dest.rglob("*") if p.is_file()}
+    proc = cli("restore", source, "--dest", dest, "--verify-key", bad, **kw)
+    assert proc.returncode == 3, proc.stderr
+    assert "does not verify" in proc.stderr
+    assert {p: p.read_bytes() for p in dest.rglob("*") if p.is_file()} == before
+    assert sorted(p.name for p in tmp_path.iterdir() if p.name.startswith(".untouched")) == []
+
+
+def test_signed_push_to_a_path_puts_the_attestation_beside(tmp_path: Path, cli) -> None:
+    art, good, bad = signed(tmp_path)
+    proc = cli("push", art, "out/", "--json", no_torch=True)
+    assert proc.returncode == 0, proc.stderr
+    pushed = json.loads(proc.stdout)
+    beside = tmp_path / "out/a.kiln.tar.zst.intoto.jsonl"
+    assert tmp_path / pushed["attestation"] == beside
+    assert beside.read_bytes() == art.with_name(art.name + ".intoto.jsonl").read_bytes()
+    assert "attestation" in cli("push", art, "out/", no_torch=True).stdout
+    verified_round_trip(cli, str(tmp_path / "out/a.kiln.tar.zst"), tmp_path, good, bad)
+
+
+@pytest.mark.parametrize(("scheme", "env_fixture"), [("s3", "aws_env"), ("gs", "gcs_env")])
+def test_signed_push_to_an_object_store_round_trips(
+    tmp_path: Path, scheme: str, env_fixture: str, request: pytest.FixtureRequest, cli
+) -> None:
+    env = request.getfixturevalue(env_fixture)
+    art, good, bad = signed(tmp_path)
+    url = f"{scheme}://kiln/signed/x.kiln.tar.zst"
+    proc = cli("push", art, url, "--json", no_torch=True, env=env)
+    assert proc.returncode == 0, proc.stderr
+    assert json.loads(proc.stdout)["attestation"] == url + ".intoto.jsonl"
+    verified_round_trip(cli, url, tmp_path, good, bad, env=env)
+
+
+def test_signed_push_to_oci_attaches_a_referrer(tmp_path: Path, registry: str, cli) -> None:
+    """The attestation is an OCI 1.1 referrer of the artifact's manifest; this registry (CNCF
+    distribution 2.8) has no referrers API, so it is found through the `sha256-<hex>` tag."""
+    art, good, bad = signed(tmp_path)
+    ref = f"oci://{registry}/kiln/signed:v1"
+    proc = cli("push", art, ref, "--json", no_torch=True)
+    assert proc.returncode == 0, proc.stderr
+    pushed = json.loads(proc.stdout)
+    assert pushed["attestation"].startswith(f"oci://{registry}/kiln/signed@sha256:")
+    assert pushed["sha256"] == sha(art)
+    for source in (ref, pushed["pinned"]):
+        verified_round_trip(cli, source, tmp_path / source[-6:], good, bad)
+    referrer = pushed["attestation"].rsplit("@", 1)[1]
+    tag = pushed["manifest_digest"].replace(":", "-")
+    index = _registry_json(registry, f"kiln/signed/manifests/{tag}")
+    entries = [m for m in index["manifests"] if m["digest"] == referrer]
+    assert entries and entries[0]["artifactType"] == "application/vnd.dsse.envelope.v1+json"
+    manifest = _registry_json(registry, f"kiln/signed/manifests/{referrer}")
+    assert manifest["subject"]["digest"] == pushed["manifest_digest"]
+
+
+def test_oci_rotation_and_unsigned(tmp_path: Path, registry: str, cli) -> None:
+    """A second signature pushed later joins the first (both keys verify); an unsigned artifact
+    restored with --verify-key is refused (3): the registry has no attestation for it."""
+    art, good, other = signed(tmp_path)
+    ref = f"oci://{registry}/kiln/rotated:v1"
+    assert cli("push", art, ref, no_torch=True).returncode == 0
+    from kiln.artifact.attestation import sign
+
+    sign(art, str(tmp_path / "other.pem"))
+    assert cli("push", art, ref, no_torch=True).returncode == 0
+    for i, key in enumerate((good, other)):
+        proc = cli("restore", ref, "--dest", tmp_path / f"c{i}", "--verify-key", key)
+        assert proc.returncode == 0, proc.stderr
+    plain = good_archive(tmp_path / "p.kiln.tar.zst", {"inductor/p": b"p" * 100})
+    assert cli("push", plain, f"oci://{registry}/kiln/plain:v1", no_torch=True).returncode == 0
+    proc = cli(
+        "restore", f"oci://{registry}/kiln/plain:v1", "--dest", tmp_path / "p", "--verify-key", good
+    )
+    assert proc.returncode == 3, proc.stderr
+    assert "no attestation attached" in proc.stderr
+    assert not (tmp_path / "p").exists()
+
+
+def test_a_stale_attestation_is_not_pushed(tmp_path: Path, cli) -> None:
+    """ARTIFACT.intoto.jsonl for other bytes (a re-bake without re-signing): exit 3, nothing
+    pushed, rather than an artifact every verifying restore refuses."""
+    art, _, _ = signed(tmp_path)
+    good_archive(art, {"inductor/other": b"x" * 100})
+    proc = cli("push", art, "out/", no_torch=True)
+    assert proc.returncode == 3, proc.stderr
+    assert "attests another artifact" in proc.stderr
+    assert not (tmp_path / "out").exists()
+
+
+def _registry_json(registry: str, path: str) -> dict:
+    import urllib.request
+
+    accept = "application/vnd.oci.image.index.v1+json, application/vnd.oci.image.manifest.v1+json"
+    req = urllib.request.Request(f"http://{registry}/v2/{path}", headers={"Accept": accept})
+    with urllib.request.urlopen(req, timeout=10) as resp:
+        return json.loads(resp.read())

@@ -53,7 +53,8 @@ from kiln.artifact.keys import (
     require_sign_extra,
 )
 from kiln.artifact.manifest import Manifest
-from kiln.artifact.storage import DEFAULT_TIMEOUT, fetch
+from kiln.artifact.storage import DEFAULT_TIMEOUT, Deadline, fetch, scheme_of
+from kiln.artifact.storage.base import ATTESTATION_SUFFIX
 from kiln.errors import IntegrityError, KilnError, NotFoundError, UsageError
 
 PAYLOAD_TYPE = "application/vnd.in-toto+json"
@@ -62,7 +63,7 @@ PREDICATE_TYPE = "https://slsa.dev/provenance/v1"
 # What a kiln bake is, as SLSA's buildType: a URN, since no page of kiln's own can be promised to
 # resolve forever; README.md ("Signed provenance") documents the parameters it implies.
 BUILD_TYPE = "urn:torch-kiln:bake:v1"
-SUFFIX = ".intoto.jsonl"
+SUFFIX = ATTESTATION_SUFFIX
 MAX_ATTESTATION_BYTES = 16 << 20  # the spec is at most 1 MiB; the grid at most 4,096 keys
 MAX_ENVELOPES = 64  # lines in one .intoto.jsonl
 _CHUNK = 1 << 20
@@ -93,17 +94,15 @@ def default_location(source: str) -> str:
     """``SOURCE.intoto.jsonl`` for any source whose URL can take a suffix (paths, ``file://``,
     ``http(s)://``, ``s3://``, ``gs://``: the suffix goes on the path, before any query).
 
-    An ``oci://`` reference names a manifest, not a file: its attestation will be an OCI referrer
-    (not implemented yet), so there it must be named with ``--attestation``.
+    An ``oci://`` reference names a manifest, not a file: its attestation is an OCI 1.1 referrer
+    of that manifest (``kiln push`` attaches it), so the location is the reference itself, read
+    by :func:`kiln.artifact.storage.oci.fetch_attestations`.
     """
     head, sep, _ = source.partition("://")
     if not sep:
         return source + SUFFIX
     if head.lower() == "oci":
-        raise UsageError(
-            f"{source}: an oci:// artifact has no attestation beside it (OCI referrers are not "
-            "supported yet): name one with --attestation PATH|URL"
-        )
+        return source
     parts = urllib.parse.urlsplit(source)
     return urllib.parse.urlunsplit(parts._replace(path=parts.path + SUFFIX))
 
@@ -594,7 +593,18 @@ class AttestationCheck:
 
 def _fetch_attestation(location: str, timeout: float) -> bytes:
     """The attestation's bytes through the same storage as artifacts, into a private temporary
-    folder (not beside DEST: a restore that is a no-op in a read-only folder verifies too)."""
+    folder (not beside DEST: a restore that is a no-op in a read-only folder verifies too).
+    For an ``oci://`` location, the attestations attached to it as OCI referrers."""
+    if scheme_of(location) == "oci":
+        from kiln.artifact.storage.oci import fetch_attestations
+
+        try:
+            return fetch_attestations(location, Deadline(timeout))
+        except NotFoundError:
+            raise IntegrityError(
+                f"{location}: no attestation attached in the registry; --verify-key needs the "
+                "artifact's signed attestation (kiln sign, then kiln push)"
+            ) from None
     with tempfile.TemporaryDirectory(prefix="kiln-attestation-") as tmp:
         try:
             with fetch(location, Path(tmp), timeout=timeout) as fetched:
@@ -647,6 +657,26 @@ def verify_attestation(
             "nothing was changed"
         )
     return AttestationCheck(location, verified)
+
+
+def check_attests(attestation: Path, artifact: Path) -> None:
+    """Refuse (exit 3) to push ``attestation`` with ``artifact`` unless one of its envelopes
+    names the artifact's sha256 as subject: a stale ``.intoto.jsonl`` left from an earlier bake
+    would otherwise travel with new bytes and fail every verifying restore. Unverified (push
+    holds no key); the signature is checked where it matters, by restore."""
+    with open(attestation, "rb") as fh:
+        docs = _envelope_dicts(fh.read(MAX_ATTESTATION_BYTES + 1), str(attestation))
+    with _open_artifact(artifact) as fh:
+        digest = _sha256_of(fh)
+    for doc in docs:
+        with contextlib.suppress(IntegrityError):
+            statement = _statement(_parse_envelope(doc).payload)
+            if any(sha == digest for _, sha in subjects(statement)):
+                return
+    raise IntegrityError(
+        f"{attestation}: attests another artifact, not {artifact.name} (sha256 {digest}): "
+        "sign it again (kiln sign) or remove it; nothing was pushed"
+    )
 
 
 def show_attestation(artifact: str | Path) -> dict[str, Any] | None:

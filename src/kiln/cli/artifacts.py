@@ -116,10 +116,15 @@ def push_cmd(
     ),
     json_: bool = JSON,
 ) -> None:
-    """Upload an artifact; prints its digest so CI can pin the restore."""
+    """Upload an artifact (and ARTIFACT.intoto.jsonl beside it, if signed: as DEST.intoto.jsonl,
+    or an OCI referrer); prints its digest so CI can pin the restore."""
     from kiln.artifact.storage import push
 
     result = push(artifact, dest)
-    Output(json_).emit(
-        result.summary(), lambda c: c.print(f"pushed {esc(result.dest)}\nsha256 {result.sha256}")
-    )
+
+    def human(c: Console) -> None:
+        c.print(f"pushed {esc(result.dest)}\nsha256 {result.sha256}")
+        if result.attestation is not None:
+            c.print(f"attestation {esc(result.attestation)}")
+
+    Output(json_).emit(result.summary(), human)

@@ -15,10 +15,12 @@ the HTTP client. Nothing registers itself at import time, and no backend imports
 
 from __future__ import annotations
 
+import dataclasses
 import importlib
 from pathlib import Path
 
 from kiln.artifact.storage.base import (
+    ATTESTATION_SUFFIX,
     DEFAULT_TIMEOUT,
     ByteSink,
     Deadline,
@@ -105,6 +107,10 @@ def fetch(
 def push(artifact: str | Path, dest: str) -> PushResult:
     """Copy an artifact to ``dest``; the result names its digest so CI can pin it.
 
+    When ``ARTIFACT.intoto.jsonl`` (``kiln sign``) lies beside the artifact it goes too, after
+    the artifact (a registry referrer needs its subject first): beside the pushed object as
+    ``DEST.intoto.jsonl``, or attached as an OCI referrer; ``PushResult.attestation`` says where.
+    An attestation whose subject is another artifact is refused before anything is uploaded.
     ``PushResult.summary()`` is what ``kiln push --json`` prints.
     """
     src = Path(artifact)
@@ -113,4 +119,12 @@ def push(artifact: str | Path, dest: str) -> PushResult:
     store = backend(scheme_of(dest))
     if store is None:
         raise cannot_push(dest)
-    return store.push(src, dest)
+    attestation = src.with_name(src.name + ATTESTATION_SUFFIX)
+    if attestation.is_file():
+        from kiln.artifact.attestation import check_attests
+
+        check_attests(attestation, src)
+    result = store.push(src, dest)
+    if not attestation.is_file():
+        return result
+    return dataclasses.replace(result, attestation=store.push_attestation(attestation, result))

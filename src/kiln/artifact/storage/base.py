@@ -36,6 +36,7 @@ IDLE_TIMEOUT = 60.0  # seconds one wait on the network may take (or a quarter of
 ATTEMPTS = 3  # tries per download (HTTP, OCI), all inside the one deadline
 DOWNLOAD_NAME = "artifact.download"  # what a remote artifact is downloaded to, in the workdir
 PUSH_SCHEMES = "file, s3, gs, oci"  # named in the message for a scheme that takes no uploads
+ATTESTATION_SUFFIX = ".intoto.jsonl"  # ARTIFACT.intoto.jsonl: an artifact's signed attestation
 
 _DIGEST = re.compile(r"(?:sha256:)?([0-9a-f]{64})")
 
@@ -257,10 +258,13 @@ class PushResult:
     dest: str
     sha256: str
     size: int
+    attestation: str | None = None  # where ARTIFACT.intoto.jsonl went with it, if it existed
 
     def summary(self) -> dict[str, Any]:
-        """The fields of ``kiln push --json``."""
-        return asdict(self)
+        """The fields of ``kiln push --json`` (``attestation`` last: the newest field)."""
+        data = asdict(self)
+        data["attestation"] = data.pop("attestation")
+        return data
 
 
 # --- the base class -------------------------------------------------------------------------
@@ -279,6 +283,14 @@ class Store(ABC):
     def push(self, src: Path, url: str) -> PushResult:
         """Upload ``src`` (an existing artifact file) to ``url``. Read-only stores refuse."""
         raise cannot_push(url)
+
+    def push_attestation(self, attestation: Path, pushed: PushResult) -> str:
+        """Upload ``attestation`` with the artifact just ``pushed``; returns where it went.
+
+        By default beside it, as ``DEST.intoto.jsonl``: where ``kiln restore --verify-key``
+        looks first (``SOURCE.intoto.jsonl``). A registry attaches it instead (OCI referrer).
+        """
+        return self.push(attestation, pushed.dest + ATTESTATION_SUFFIX).dest
 
     def open(
         self, url: str, workdir: Path, *, deadline: Deadline, on_bytes: ByteSink | None

@@ -37,14 +37,30 @@ from kiln.errors import IntegrityError, KilnError, NotFoundError, UsageError
 OCI_LAYER_TYPE = "application/vnd.oci.image.layer.v1.tar+zstd"
 OCI_CONFIG_TYPE = "application/vnd.kiln.manifest.v1+json"
 OCI_MANIFEST_TYPE = "application/vnd.oci.image.manifest.v1+json"
+OCI_INDEX_TYPE = "application/vnd.oci.image.index.v1+json"
+# The attestation as an OCI 1.1 referrer: an image manifest whose ``subject`` is the artifact's
+# manifest, ``artifactType`` the DSSE envelope type (what cosign and ORAS use for attestations),
+# the OCI empty config, and one layer holding the ``.intoto.jsonl`` bytes as ``kiln sign`` wrote
+# them (one DSSE envelope per line).
+DSSE_TYPE = "application/vnd.dsse.envelope.v1+json"
+OCI_EMPTY_TYPE = "application/vnd.oci.empty.v1+json"
+OCI_EMPTY = b"{}"
+MAX_REFERRERS = 64  # attestation referrers read per artifact
+MAX_REFERRER_BYTES = 16 << 20  # per manifest, index or attestation layer
 
 
 @dataclass(frozen=True)
 class OciPushResult(PushResult):
     """A push to a registry also names the image manifest, and the reference that pins it."""
 
-    manifest_digest: str | None
-    pinned: str | None  # oci://registry/repo@sha256:… (None if the registry sent no digest)
+    manifest_digest: str | None = None
+    pinned: str | None = None  # oci://registry/repo@sha256:… (None if the registry sent none)
+    manifest_size: int | None = None  # of the artifact's manifest: the referrer's subject
+
+    def summary(self) -> dict[str, Any]:
+        data = super().summary()
+        data.pop("manifest_size", None)
+        return data
 
 
 class OciStore(Store):
@@ -103,16 +119,215 @@ class OciStore(Store):
             "dev.kiln.torch": str(kiln_manifest.fingerprint.get("torch.version")),
             "dev.kiln.gpu": str(kiln_manifest.fingerprint.get("gpu.name") or "cpu"),
         }
-        resp = _check(reg.upload_manifest(manifest, container), url)
-        digest = resp.headers.get("Docker-Content-Digest")
-        repo = ref.split("@", 1)[0].rsplit(":", 1)[0] if ":" in ref.split("/", 1)[1] else ref
+        body = _canonical(manifest)
+        resp = _put_manifest(reg, container, None, body, OCI_MANIFEST_TYPE, url)
+        digest = resp.headers.get("Docker-Content-Digest") or _digest_of(body)
         return OciPushResult(
             dest=url,
             sha256=layer["digest"].removeprefix("sha256:"),
             size=layer["size"],
             manifest_digest=digest,
-            pinned=f"oci://{repo}@{digest}" if digest else None,
+            pinned=f"oci://{_repo(ref)}@{digest}",
+            manifest_size=len(body),
         )
+
+    def push_attestation(self, attestation: Path, pushed: PushResult) -> str:
+        """Attach ``attestation`` to the artifact just pushed as an OCI 1.1 referrer.
+
+        The registry learns of it through the referrers API where it has one (it then answers
+        the manifest PUT with ``OCI-Subject``); otherwise through the referrers *tag schema*
+        the OCI 1.1 distribution spec defines for older registries (the CNCF distribution 2.x
+        has no referrers API): an image index tagged ``sha256-<hex of the subject>`` listing
+        every referrer, read, extended and put back. Returns ``oci://repo@<referrer digest>``.
+        """
+        oci = need_extra("oras.oci", "oci")
+        if not isinstance(pushed, OciPushResult) or pushed.manifest_size is None:
+            raise KilnError(f"{pushed.dest}: no manifest descriptor to attach the attestation to")
+        host, ref = _oci_ref(pushed.dest)
+        reg = _registry(host)
+        container = reg.get_container(ref)
+        reg.auth.load_configs(container)
+        url = pushed.dest
+        with tempfile.TemporaryDirectory(prefix="kiln-oci-") as tmp:
+            empty = Path(tmp, "empty.json")
+            empty.write_bytes(OCI_EMPTY)
+            config, _ = oci.ManifestConfig(str(empty), OCI_EMPTY_TYPE)
+            _check(reg.upload_blob(str(empty), container, config), url)
+        layer = oci.NewLayer(str(attestation), media_type=DSSE_TYPE, is_dir=False)
+        layer["annotations"] = {"org.opencontainers.image.title": attestation.name}
+        _check(reg.upload_blob(str(attestation), container, layer), url)
+        subject = {
+            "mediaType": OCI_MANIFEST_TYPE,
+            "digest": pushed.manifest_digest,
+            "size": pushed.manifest_size,
+        }
+        manifest = {
+            "schemaVersion": 2,
+            "mediaType": OCI_MANIFEST_TYPE,
+            "artifactType": DSSE_TYPE,
+            "config": {"mediaType": OCI_EMPTY_TYPE, "digest": config["digest"], "size": 2},
+            "layers": [layer],
+            "subject": subject,
+            "annotations": {"org.opencontainers.image.title": attestation.name},
+        }
+        body = _canonical(manifest)
+        digest = _digest_of(body)
+        resp = _put_manifest(reg, container, digest, body, OCI_MANIFEST_TYPE, url)
+        if not resp.headers.get("OCI-Subject"):
+            descriptor = {
+                "mediaType": OCI_MANIFEST_TYPE,
+                "digest": digest,
+                "size": len(body),
+                "artifactType": DSSE_TYPE,
+                "annotations": manifest["annotations"],
+            }
+            _add_to_referrers_tag(reg, container, str(pushed.manifest_digest), descriptor, url)
+        return f"oci://{_repo(ref)}@{digest}"
+
+
+def fetch_attestations(url: str, deadline: Deadline) -> bytes:
+    """Every attestation attached to the artifact at ``url`` as an OCI referrer, concatenated
+    (``.intoto.jsonl`` lines); :class:`NotFoundError` when it has none.
+
+    The artifact's manifest is resolved once (a tag to its digest; a pinned digest is checked);
+    its referrers come from the registry's referrers API, or, where that answers 404, from the
+    ``sha256-<hex>`` tag. Which artifact the attestation is for is decided later by its signed
+    subject, against the digest of the bytes actually unpacked, so a tag that moves meanwhile
+    cannot pair one artifact's signature with another's bytes.
+    """
+    host, ref = _oci_ref(url)
+    reg = _registry(host, deadline)
+    container = reg.get_container(ref)
+    reg.auth.load_configs(container)
+    subject = _manifest_digest(reg, container, deadline, url)
+    index = _referrers(reg, container, subject, deadline, url)
+    found: list[bytes] = []
+    for entry in index.get("manifests", [])[:MAX_REFERRERS]:
+        if not isinstance(entry, dict) or entry.get("artifactType") != DSSE_TYPE:
+            continue
+        digest = entry.get("digest")
+        if not isinstance(digest, str):
+            continue
+        body = _get_json_bytes(
+            reg, container.manifest_url(digest), deadline, url, OCI_MANIFEST_TYPE
+        )
+        if _digest_of(body) != digest:
+            raise IntegrityError(f"{url}: registry served referrer {digest} with other bytes")
+        manifest = json.loads(body)
+        if (manifest.get("subject") or {}).get("digest") != subject:
+            continue
+        for layer in manifest.get("layers", []):
+            if isinstance(layer, dict) and layer.get("mediaType") == DSSE_TYPE:
+                found.append(_get_blob(reg, container, layer, deadline, url))
+    if not found:
+        raise NotFoundError(f"{url}: no attestation attached in the registry")
+    return b"\n".join(chunk.rstrip(b"\n") for chunk in found) + b"\n"
+
+
+def _canonical(doc: dict[str, Any]) -> bytes:
+    return json.dumps(doc, separators=(",", ":"), sort_keys=True).encode()
+
+
+def _digest_of(body: bytes) -> str:
+    return "sha256:" + hashlib.sha256(body).hexdigest()
+
+
+def _repo(ref: str) -> str:
+    """``registry/repo`` of ``registry/repo[:tag|@digest]``."""
+    name = ref.split("@", 1)[0]
+    head, _, last = name.rpartition("/")
+    return f"{head}/{last.split(':', 1)[0]}"
+
+
+def _put_manifest(
+    reg: Any, container: Any, tag: str | None, body: bytes, media_type: str, url: str
+) -> Any:
+    """PUT exactly ``body`` (so its digest is the one computed here) as a manifest."""
+    target = f"{reg.prefix}://{container.manifest_url(tag)}"
+    return _check(
+        reg.do_request(target, "PUT", headers={"Content-Type": media_type}, data=body), url
+    )
+
+
+def _get_json_bytes(reg: Any, path: str, deadline: Deadline, url: str, accept: str) -> bytes:
+    resp = _check(
+        _request(reg, f"{reg.prefix}://{path}", deadline, url, headers={"Accept": accept}), url
+    )
+    if len(resp.content) > MAX_REFERRER_BYTES:
+        raise IntegrityError(f"{url}: registry document over {MAX_REFERRER_BYTES} bytes")
+    return bytes(resp.content)
+
+
+def _manifest_digest(reg: Any, container: Any, deadline: Deadline, url: str) -> str:
+    body = _get_json_bytes(reg, container.manifest_url(), deadline, url, OCI_MANIFEST_TYPE)
+    digest = _digest_of(body)
+    if container.digest and container.digest != digest:
+        raise IntegrityError(f"{url}: registry served manifest {digest}")
+    return digest
+
+
+def _referrers(
+    reg: Any, container: Any, subject: str, deadline: Deadline, url: str
+) -> dict[str, Any]:
+    """The referrers index of ``subject``: the API's answer, else the tag schema's index."""
+    api = f"{container.registry}/v2/{container.api_prefix}/referrers/{subject}"
+    resp = _request(reg, f"{reg.prefix}://{api}", deadline, url, headers={"Accept": OCI_INDEX_TYPE})
+    if resp.status_code == 200 and resp.headers.get("Content-Type", "").startswith(OCI_INDEX_TYPE):
+        body = bytes(resp.content)
+    else:
+        try:
+            body = _get_json_bytes(
+                reg, container.manifest_url(_referrers_tag(subject)), deadline, url, OCI_INDEX_TYPE
+            )
+        except NotFoundError:
+            return {}
+    try:
+        index = json.loads(body)
+    except ValueError:
+        raise IntegrityError(f"{url}: the registry's referrers index is not JSON") from None
+    return index if isinstance(index, dict) else {}
+
+
+def _referrers_tag(subject: str) -> str:
+    """The OCI 1.1 referrers tag schema: ``<alg>-<ref>`` of the subject's digest."""
+    return subject.replace(":", "-", 1)
+
+
+def _add_to_referrers_tag(
+    reg: Any, container: Any, subject: str, descriptor: dict[str, Any], url: str
+) -> None:
+    tag = _referrers_tag(subject)
+    resp = reg.do_request(
+        f"{reg.prefix}://{container.manifest_url(tag)}",
+        "GET",
+        headers={"Accept": OCI_INDEX_TYPE},
+    )
+    index: dict[str, Any] = {"schemaVersion": 2, "mediaType": OCI_INDEX_TYPE, "manifests": []}
+    if resp.status_code == 200:
+        with contextlib.suppress(ValueError):
+            old = json.loads(resp.content)
+            if isinstance(old, dict) and isinstance(old.get("manifests"), list):
+                index["manifests"] = [
+                    m for m in old["manifests"] if m.get("digest") != descriptor["digest"]
+                ]
+    elif resp.status_code != 404:
+        _check(resp, url)
+    index["manifests"].append(descriptor)
+    _put_manifest(reg, container, tag, _canonical(index), OCI_INDEX_TYPE, url)
+
+
+def _get_blob(
+    reg: Any, container: Any, layer: dict[str, Any], deadline: Deadline, url: str
+) -> bytes:
+    digest, size = layer.get("digest"), layer.get("size")
+    if not isinstance(digest, str) or not isinstance(size, int) or size > MAX_REFERRER_BYTES:
+        raise IntegrityError(f"{url}: attestation layer without a usable digest and size")
+    blob_url = f"{reg.prefix}://{container.get_blob_url(digest)}"
+    resp = _check(_request(reg, blob_url, deadline, url, headers=dict(reg.headers)), url)
+    data = bytes(resp.content)
+    if _digest_of(data) != digest:
+        raise IntegrityError(f"{url}: attestation layer digest mismatch")
+    return data
 
 
 def _oci_ref(url: str) -> tuple[str, str]:
