@@ -21,7 +21,6 @@ import subprocess
 import sys
 import threading
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
@@ -43,6 +42,7 @@ from kiln.artifact.restore import restore
 from kiln.errors import IntegrityError, UsageError
 from tests.archives import good_archive
 from tests.conftest import mlp_spec
+from tests.keys import KeyPair, make_key
 
 FILES = {"inductor/fxgraph/a/entry": b"A" * 1000, "inductor/xy/k.py": b"print(1)\n"}
 OTHER = {"inductor/fxgraph/b/entry": b"B" * 1000}
@@ -57,38 +57,6 @@ GITHUB = {
     "GITHUB_REF": "refs/heads/main",
     "RUNNER_ENVIRONMENT": "self-hosted",
 }
-
-
-@dataclass(frozen=True)
-class KeyPair:
-    private: Path
-    public: Path
-
-    def private_pem(self) -> str:
-        return self.private.read_text()
-
-
-def make_key(directory: Path, name: str, kind: str = "ed25519") -> KeyPair:
-    """A fresh key pair as PEM files (PKCS#8 private, SubjectPublicKeyInfo public)."""
-    key = (
-        ed25519.Ed25519PrivateKey.generate()
-        if kind == "ed25519"
-        else ec.generate_private_key(ec.SECP256R1())
-    )
-    private, public = directory / f"{name}.pem", directory / f"{name}.pub.pem"
-    private.write_bytes(
-        key.private_bytes(
-            serialization.Encoding.PEM,
-            serialization.PrivateFormat.PKCS8,
-            serialization.NoEncryption(),
-        )
-    )
-    public.write_bytes(
-        key.public_key().public_bytes(
-            serialization.Encoding.PEM, serialization.PublicFormat.SubjectPublicKeyInfo
-        )
-    )
-    return KeyPair(private, public)
 
 
 @pytest.fixture

@@ -20,6 +20,7 @@ import yaml
 import kiln
 from tests.archives import good_archive
 from tests.conftest import ROOT
+from tests.keys import make_key
 
 
 def dockerfile_stages(path: Path) -> dict[str, list[str]]:
@@ -86,26 +87,10 @@ def test_docker_example_restore_line_runs(tmp_path: Path, cli) -> None:
 
 
 def signing_key(tmp_path: Path) -> tuple[Path, Path]:
-    """An Ed25519 key pair as PEM files, as `openssl genpkey`/`openssl pkey -pubout` make them."""
+    """An Ed25519 key pair as PEM files."""
     pytest.importorskip("securesystemslib", reason="needs the [sign] extra")
-    from cryptography.hazmat.primitives import serialization
-    from cryptography.hazmat.primitives.asymmetric import ed25519
-
-    key = ed25519.Ed25519PrivateKey.generate()
-    private, public = tmp_path / "kiln-sign.pem", tmp_path / "kiln-sign.pub.pem"
-    private.write_bytes(
-        key.private_bytes(
-            serialization.Encoding.PEM,
-            serialization.PrivateFormat.PKCS8,
-            serialization.NoEncryption(),
-        )
-    )
-    public.write_bytes(
-        key.public_key().public_bytes(
-            serialization.Encoding.PEM, serialization.PublicFormat.SubjectPublicKeyInfo
-        )
-    )
-    return private, public
+    pair = make_key(tmp_path, "kiln-sign")
+    return pair.private, pair.public
 
 
 def load_deployment() -> dict:

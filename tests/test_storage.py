@@ -21,6 +21,7 @@ from kiln.errors import IntegrityError, KilnError, NotFoundError, UsageError
 from kiln.events import Event
 from tests.archives import good_archive
 from tests.conftest import ROOT
+from tests.keys import make_key
 from tests.servers import gcs_server, oci_registry, s3_server, scripted_http
 
 FILES = {"inductor/fxgraph/a/entry": b"A" * 5000, "inductor/xy/k.py": b"print(1)\n"}
@@ -267,31 +268,12 @@ def test_a_missing_extra_is_one_line_and_exit_2(tmp_path: Path, source: str, ext
 def signed(tmp_path: Path, name: str = "a") -> tuple[Path, Path, Path]:
     """A signed artifact (ARTIFACT.intoto.jsonl beside it), its public key and another key's."""
     pytest.importorskip("securesystemslib", reason="needs the [sign] extra")
-    from cryptography.hazmat.primitives import serialization
-    from cryptography.hazmat.primitives.asymmetric import ed25519
-
     from kiln.artifact.attestation import sign
 
-    pems = []
-    for label in ("key", "other"):
-        key = ed25519.Ed25519PrivateKey.generate()
-        private, public = tmp_path / f"{label}.pem", tmp_path / f"{label}.pub.pem"
-        private.write_bytes(
-            key.private_bytes(
-                serialization.Encoding.PEM,
-                serialization.PrivateFormat.PKCS8,
-                serialization.NoEncryption(),
-            )
-        )
-        public.write_bytes(
-            key.public_key().public_bytes(
-                serialization.Encoding.PEM, serialization.PublicFormat.SubjectPublicKeyInfo
-            )
-        )
-        pems.append((private, public))
+    key, other = make_key(tmp_path, "key"), make_key(tmp_path, "other")
     art = good_archive(tmp_path / f"{name}.kiln.tar.zst", FILES)
-    sign(art, str(pems[0][0]))
-    return art, pems[0][1], pems[1][1]
+    sign(art, str(key.private))
+    return art, key.public, other.public
 
 
 def verified_round_trip(cli, source: str, tmp_path: Path, good: Path, bad: Path, **kw) -> None:
