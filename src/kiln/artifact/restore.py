@@ -262,29 +262,32 @@ def _restore_locked(
         raise
     finally:
         shutil.rmtree(staging, ignore_errors=True)
-    return RestoreResult(
-        dest=dest,
-        sha256=unpacked,
-        files=len(manifest.files),
-        bytes=manifest.total_bytes,
-        seconds=time.time() - t0,
-        noop=False,
-        env_file=_write_env_copy(dest, env_file),
-        manifest=manifest,
-    )
+    return _result(dest, unpacked, manifest, env_file, t0, noop=False)
 
 
 def _noop(
     dest: Path, installed: tuple[str, Manifest], env_file: str | Path | None, t0: float
 ) -> RestoreResult:
     digest, manifest = installed
+    return _result(dest, digest, manifest, env_file, t0, noop=True)
+
+
+def _result(
+    dest: Path,
+    digest: str,
+    manifest: Manifest,
+    env_file: str | Path | None,
+    t0: float,
+    *,
+    noop: bool,
+) -> RestoreResult:
     return RestoreResult(
         dest=dest,
         sha256=digest,
         files=len(manifest.files),
         bytes=manifest.total_bytes,
         seconds=time.time() - t0,
-        noop=True,
+        noop=noop,
         env_file=_write_env_copy(dest, env_file),
         manifest=manifest,
     )
