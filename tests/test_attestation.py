@@ -636,3 +636,21 @@ def test_bake_sign_key_then_restore_verified(tmp_path: Path, key: KeyPair, write
     assert build["internalParameters"]["coverage"]["buckets"] == 3
     meta = statement["predicate"]["runDetails"]["metadata"]
     assert meta["startedOn"] <= meta["finishedOn"]
+
+
+def test_hostile_attestation_text_and_empty_key_lists_are_not_internal_errors(
+    tmp_path: Path, art: Path, key: KeyPair, cli
+) -> None:
+    """A deeply nested JSON line is exit 3 (was a RecursionError, exit 1); an empty key list in
+    the library is a usage error, never "verification off"."""
+    (art.parent / f"{art.name}.intoto.jsonl").write_text("[" * 100_000 + "\n")
+    r = cli("restore", art, "--dest", tmp_path / "d", "--verify-key", key.public, no_torch=True)
+    assert r.returncode == 3, r.stderr
+    assert not (tmp_path / "d").exists()
+    with pytest.raises(UsageError, match="empty"):
+        restore(art, tmp_path / "d", verify_keys=[])
+
+
+def test_an_absurd_timeout_is_a_usage_error(tmp_path: Path, art: Path, cli) -> None:
+    r = cli("restore", art, "--dest", tmp_path / "d", "--timeout", "1e300", no_torch=True)
+    assert r.returncode == 2 and "Traceback" not in r.stderr, r.stderr

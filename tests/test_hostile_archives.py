@@ -246,3 +246,15 @@ def test_readme_threat_model_matches_the_rules() -> None:
         assert f"`{prefix}*`" in readme
     for var in CACHE_LOCATION_VARS - {"TORCHINDUCTOR_REDIS_HOST", "TORCHINDUCTOR_REDIS_PORT"}:
         assert f"`{var}`" in readme, var
+
+
+@pytest.mark.parametrize(
+    "key",
+    ["TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD", "CUDA_VISIBLE_DEVICES", "TRITON_KERNEL_OVERRIDE"],
+)
+def test_prefix_allowed_variables_that_are_not_about_compiled_code_are_refused(key: str) -> None:
+    """A review found these pass the prefix rule while changing what the server trusts or sees."""
+    from kiln.serving import env_key_problem
+
+    assert env_key_problem(key) is not None
+    assert env_key_problem("TORCHINDUCTOR_MAX_AUTOTUNE") is None

@@ -80,6 +80,15 @@ _REFUSED_EXACT = frozenset(
         "TORCHINDUCTOR_FORCE_DISABLE_CACHES",  # nothing could hit
         "TORCH_TRACE",  # a folder to write traces into
         "TORCH_LOGS_OUT",
+        # Prefix-allowed, but not about compiled code: each changes what the serving process
+        # trusts or sees (a review found them), so an artifact may not set them.
+        "TORCH_FORCE_WEIGHTS_ONLY_LOAD",
+        "TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD",  # would turn off torch.load's safe default
+        "CUDA_VISIBLE_DEVICES",  # could hide or swap the serving GPU
+        "TORCH_NVCC_FLAGS",  # compiler flags for extensions
+        "TRITON_KERNEL_OVERRIDE",  # swaps kernels for files named elsewhere
+        "TRITON_KERNEL_DUMP",
+        "TORCH_COMPILE_DEBUG",  # writes debug trees beside the process
     }
 )
 

@@ -455,7 +455,7 @@ def _envelope_dicts(data: bytes, where: str) -> list[dict[str, Any]]:
     for line in lines:
         try:
             doc = json.loads(line)
-        except ValueError:
+        except (ValueError, RecursionError):
             raise IntegrityError(f"{where}: not a DSSE envelope (a line is not JSON)") from None
         if not isinstance(doc, dict):
             raise IntegrityError(f"{where}: not a DSSE envelope (a line is not a JSON object)")
@@ -636,6 +636,8 @@ def verify_attestation(
     except unusable keys or arguments (exit 2).
     """
     refs = as_refs(verify_keys)
+    if verify_keys is not None and not refs:
+        raise UsageError("verify_keys is empty: name at least one public key, or pass None")
     if not refs:
         if attestation is not None:
             raise UsageError("--attestation needs --verify-key: without a key nothing is verified")

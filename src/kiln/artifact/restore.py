@@ -64,11 +64,6 @@ class RestoreResult:
         }
 
 
-def installed_digest(dest: Path) -> str | None:
-    installed = _installed(Path(dest))
-    return installed[0] if installed else None
-
-
 def _installed(dest: Path) -> tuple[str, Manifest] | None:
     """The digest and manifest installed in ``dest``, read without a lock and without writing.
 
@@ -229,7 +224,7 @@ def _restore_locked(
             on_bytes=lambda n, total: emit(Fetched(bytes=n, total=total)),
             timeout=timeout,
         ) as fetched:
-            if trust is not None:  # before a byte is unpacked; _extract re-hashes what it reads
+            if trust is not None:  # before a byte is unpacked; extract() re-hashes what it reads
                 trust.check_subject(fetched.sha256)
             if installed is not None and installed[0] == fetched.sha256:
                 return _noop(dest, installed, env_file, t0)

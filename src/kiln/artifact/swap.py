@@ -194,10 +194,10 @@ def swap(tree: Path, dest: Path) -> None:
         return
     # No atomic exchange on this filesystem: two renames. The old tree goes to a well-known
     # name, so a crash between them leaves it recoverable: the next restore (under the lock)
-    # puts it back before anything else (_recover).
+    # puts it back before anything else (recover).
     old = sibling(dest, _OLD_SUFFIX)
     if os.path.lexists(old):
-        shutil.rmtree(old)  # a finished swap's garbage: _recover saw DEST present
+        shutil.rmtree(old)  # a finished swap's garbage: recover() saw DEST present
     os.rename(dest, old)
     if "kill" in hooks:
         os.kill(os.getpid(), signal.SIGKILL)

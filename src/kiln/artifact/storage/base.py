@@ -72,6 +72,9 @@ def check_digest(expected: str | None, actual: str, what: str) -> None:
         raise IntegrityError(f"{what}: sha256 {actual} does not match the pinned {expected}")
 
 
+MAX_TIMEOUT = 7 * 24 * 3600  # a week: more is a typo (and past what timers can hold)
+
+
 def check_timeout(value: object) -> float:
     """A download budget in seconds: a finite number above zero, else :class:`UsageError`."""
     if (
@@ -79,8 +82,11 @@ def check_timeout(value: object) -> float:
         or not isinstance(value, (int, float))
         or not math.isfinite(value)
         or value <= 0
+        or value > MAX_TIMEOUT
     ):
-        raise UsageError(f"--timeout {value!r}: expected a positive number of seconds")
+        raise UsageError(
+            f"--timeout {value!r}: expected a positive number of seconds, at most {MAX_TIMEOUT}"
+        )
     return float(value)
 
 
