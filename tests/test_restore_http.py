@@ -273,3 +273,46 @@ def test_cut_body_is_retried(tmp_path: Path, artifact: bytes) -> None:
     with scripted_http(script) as url:
         result = restore(f"{url}/a.kiln.tar.zst", tmp_path / "c")
     assert result.sha256 == hashlib.sha256(artifact).hexdigest()
+
+
+def test_registry_trickling_its_manifest_is_cut_by_the_deadline(tmp_path: Path) -> None:
+    """A review found the manifest (and every small registry document) read whole, outside the
+    deadline: a registry sending one byte every 0.3 s held a --timeout 2 restore for minutes."""
+    pytest.importorskip("oras.provider")
+    body = b'{"schemaVersion": 2, "layers": []}' * 10
+
+    def script(x: Exchange) -> None:
+        x.head(Content_Length=len(body), Content_Type="application/vnd.oci.image.manifest.v1+json")
+        x.trickle(body, every=0.3)
+
+    with scripted_http(script) as url:
+        t0 = time.monotonic()
+        with pytest.raises(KilnError, match=r"did not finish within --timeout 2s"):
+            restore(f"oci://{url.removeprefix('http://')}/x/y:v1", tmp_path / "c", timeout=2)
+        assert time.monotonic() - t0 < 6
+    assert not (tmp_path / "c").exists()
+
+
+@pytest.mark.parametrize(
+    "document",
+    [b"[" * 100_000, b'{"layers": 5}', b"[1, 2]", b'{"layers": [{"mediaType": 5}]}'],
+)
+def test_hostile_registry_manifests_are_integrity_errors(tmp_path: Path, document: bytes) -> None:
+    pytest.importorskip("oras.provider")
+    with scripted_http(lambda x: x.body(document)) as url, pytest.raises(IntegrityError):
+        restore(f"oci://{url.removeprefix('http://')}/x/y:v1", tmp_path / "c", timeout=5)
+    assert not (tmp_path / "c").exists()
+
+
+def test_oversized_registry_manifest_is_refused_from_its_length(tmp_path: Path) -> None:
+    pytest.importorskip("oras.provider")
+
+    def script(x: Exchange) -> None:
+        x.head(Content_Length=1 << 30, Content_Type="application/vnd.oci.image.manifest.v1+json")
+        x.hang()
+
+    with scripted_http(script) as url:
+        t0 = time.monotonic()
+        with pytest.raises(IntegrityError, match="over"):
+            restore(f"oci://{url.removeprefix('http://')}/x/y:v1", tmp_path / "c", timeout=20)
+        assert time.monotonic() - t0 < 5

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
+import io
 import json
 import os
 import tempfile
@@ -75,13 +76,17 @@ class OciStore(Store):
         reg.auth.load_configs(container)
         headers = {"Accept": OCI_MANIFEST_TYPE}
         manifest_url = f"{reg.prefix}://{container.manifest_url()}"
-        resp = _check(_request(reg, manifest_url, deadline, url, headers=headers), url)
+        body = _read_small(
+            _check(_request(reg, manifest_url, deadline, url, headers=headers, stream=True), url),
+            deadline,
+            url,
+        )
         if "@sha256:" in ref:
             pinned = ref.rsplit("@", 1)[1]
-            actual = "sha256:" + hashlib.sha256(resp.content).hexdigest()
+            actual = "sha256:" + hashlib.sha256(body).hexdigest()
             if actual != pinned:
                 raise IntegrityError(f"{url}: registry served manifest {actual}")
-        layer = _kiln_layer(resp.content, url)
+        layer = _kiln_layer(body, url)
         blob_url = f"{reg.prefix}://{container.get_blob_url(layer['digest'])}"
         blob = _check(
             _request(reg, blob_url, deadline, url, headers=dict(reg.headers), stream=True), url
@@ -202,7 +207,8 @@ def fetch_attestations(url: str, deadline: Deadline) -> bytes:
     subject = _manifest_digest(reg, container, deadline, url)
     index = _referrers(reg, container, subject, deadline, url)
     found: list[bytes] = []
-    for entry in index.get("manifests", [])[:MAX_REFERRERS]:
+    entries = index.get("manifests")
+    for entry in (entries if isinstance(entries, list) else [])[:MAX_REFERRERS]:
         if not isinstance(entry, dict) or entry.get("artifactType") != DSSE_TYPE:
             continue
         digest = entry.get("digest")
@@ -213,12 +219,18 @@ def fetch_attestations(url: str, deadline: Deadline) -> bytes:
         )
         if _digest_of(body) != digest:
             raise IntegrityError(f"{url}: registry served referrer {digest} with other bytes")
-        manifest = json.loads(body)
-        if (manifest.get("subject") or {}).get("digest") != subject:
+        manifest = _json_object(body, url, "referrer manifest")
+        referred = manifest.get("subject")
+        if not isinstance(referred, dict) or referred.get("digest") != subject:
             continue
-        for layer in manifest.get("layers", []):
+        layers = manifest.get("layers")
+        for layer in layers if isinstance(layers, list) else []:
             if isinstance(layer, dict) and layer.get("mediaType") == DSSE_TYPE:
                 found.append(_get_blob(reg, container, layer, deadline, url))
+                if sum(map(len, found)) > MAX_REFERRER_BYTES:
+                    raise IntegrityError(
+                        f"{url}: attestations over {MAX_REFERRER_BYTES} bytes in all"
+                    )
     if not found:
         raise NotFoundError(f"{url}: no attestation attached in the registry")
     return b"\n".join(chunk.rstrip(b"\n") for chunk in found) + b"\n"
@@ -250,12 +262,43 @@ def _put_manifest(
 
 
 def _get_json_bytes(reg: Any, path: str, deadline: Deadline, url: str, accept: str) -> bytes:
-    resp = _check(
-        _request(reg, f"{reg.prefix}://{path}", deadline, url, headers={"Accept": accept}), url
+    resp = _request(
+        reg, f"{reg.prefix}://{path}", deadline, url, headers={"Accept": accept}, stream=True
     )
-    if len(resp.content) > MAX_REFERRER_BYTES:
-        raise IntegrityError(f"{url}: registry document over {MAX_REFERRER_BYTES} bytes")
-    return bytes(resp.content)
+    return _read_small(_check(resp, url), deadline, url)
+
+
+def _read_small(resp: Any, deadline: Deadline, url: str, limit: int = MAX_REFERRER_BYTES) -> bytes:
+    """A registry document (manifest, index, attestation) read within ``deadline`` and at most
+    ``limit`` bytes: a hostile registry can neither trickle it forever nor send gigabytes."""
+    declared = resp.headers.get("Content-Length", "")
+    if declared.isdigit() and int(declared) > limit:
+        resp.close()
+        raise IntegrityError(f"{url}: registry document over {limit} bytes")
+    out = _Capped(limit, url)
+    _copy_response(resp, out, None, None, deadline, url)
+    return out.getvalue()
+
+
+class _Capped(io.BytesIO):
+    def __init__(self, limit: int, url: str) -> None:
+        super().__init__()
+        self._limit, self._url = limit, url
+
+    def write(self, data: Any) -> int:
+        if self.tell() + len(data) > self._limit:
+            raise IntegrityError(f"{self._url}: registry document over {self._limit} bytes")
+        return super().write(data)
+
+
+def _json_object(body: bytes, url: str, what: str) -> dict[str, Any]:
+    try:
+        doc = json.loads(body)
+    except (ValueError, RecursionError):
+        raise IntegrityError(f"{url}: the registry's {what} is not JSON") from None
+    if not isinstance(doc, dict):
+        raise IntegrityError(f"{url}: the registry's {what} is not a JSON object")
+    return doc
 
 
 def _manifest_digest(reg: Any, container: Any, deadline: Deadline, url: str) -> str:
@@ -271,21 +314,20 @@ def _referrers(
 ) -> dict[str, Any]:
     """The referrers index of ``subject``: the API's answer, else the tag schema's index."""
     api = f"{container.registry}/v2/{container.api_prefix}/referrers/{subject}"
-    resp = _request(reg, f"{reg.prefix}://{api}", deadline, url, headers={"Accept": OCI_INDEX_TYPE})
+    resp = _request(
+        reg, f"{reg.prefix}://{api}", deadline, url, headers={"Accept": OCI_INDEX_TYPE}, stream=True
+    )
     if resp.status_code == 200 and resp.headers.get("Content-Type", "").startswith(OCI_INDEX_TYPE):
-        body = bytes(resp.content)
+        body = _read_small(resp, deadline, url)
     else:
+        resp.close()
         try:
             body = _get_json_bytes(
                 reg, container.manifest_url(_referrers_tag(subject)), deadline, url, OCI_INDEX_TYPE
             )
         except NotFoundError:
             return {}
-    try:
-        index = json.loads(body)
-    except ValueError:
-        raise IntegrityError(f"{url}: the registry's referrers index is not JSON") from None
-    return index if isinstance(index, dict) else {}
+    return _json_object(body, url, "referrers index")
 
 
 def _referrers_tag(subject: str) -> str:
@@ -323,8 +365,10 @@ def _get_blob(
     if not isinstance(digest, str) or not isinstance(size, int) or size > MAX_REFERRER_BYTES:
         raise IntegrityError(f"{url}: attestation layer without a usable digest and size")
     blob_url = f"{reg.prefix}://{container.get_blob_url(digest)}"
-    resp = _check(_request(reg, blob_url, deadline, url, headers=dict(reg.headers)), url)
-    data = bytes(resp.content)
+    resp = _check(
+        _request(reg, blob_url, deadline, url, headers=dict(reg.headers), stream=True), url
+    )
+    data = _read_small(resp, deadline, url, limit=size)
     if _digest_of(data) != digest:
         raise IntegrityError(f"{url}: attestation layer digest mismatch")
     return data
@@ -347,7 +391,7 @@ def _kiln_layer(content: bytes, url: str) -> dict[str, Any]:
             for layer in manifest.get("layers", [])
             if isinstance(layer, dict) and layer.get("mediaType") == OCI_LAYER_TYPE
         ]
-    except (ValueError, AttributeError):
+    except (ValueError, AttributeError, TypeError, RecursionError):
         raise IntegrityError(f"{url}: the registry's manifest is not OCI JSON") from None
     if len(layers) != 1 or not isinstance(layers[0].get("digest"), str):
         raise IntegrityError(f"{url}: not a kiln artifact (expected one {OCI_LAYER_TYPE} layer)")
