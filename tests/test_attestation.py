@@ -654,3 +654,24 @@ def test_hostile_attestation_text_and_empty_key_lists_are_not_internal_errors(
 def test_an_absurd_timeout_is_a_usage_error(tmp_path: Path, art: Path, cli) -> None:
     r = cli("restore", art, "--dest", tmp_path / "d", "--timeout", "1e300", no_torch=True)
     assert r.returncode == 2 and "Traceback" not in r.stderr, r.stderr
+
+
+def test_an_endless_attestation_is_refused_as_it_arrives(tmp_path: Path, art: Path, key) -> None:
+    """A review found attestations downloaded whole to a temp folder before their size was
+    checked: a server could fill the pod's disk. Now they are read into memory, capped."""
+    from tests.servers import Exchange, scripted_http
+
+    data = art.read_bytes()
+
+    def script(x: Exchange) -> None:
+        if x.path.endswith(".intoto.jsonl"):
+            x.head(Content_Type="application/octet-stream")  # no length, never-ending
+            block = b"x" * (1 << 20)
+            for _ in range(64):
+                x.send(block)
+        else:
+            x.body(data)
+
+    with scripted_http(script) as url, pytest.raises(IntegrityError, match="more than"):
+        restore(f"{url}/{art.name}", tmp_path / "c", verify_keys=[str(key.public)])
+    assert not (tmp_path / "c").exists()

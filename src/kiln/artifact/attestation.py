@@ -35,7 +35,6 @@ import json
 import os
 import socket
 import stat
-import tempfile
 import urllib.parse
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -53,9 +52,10 @@ from kiln.artifact.keys import (
     require_sign_extra,
 )
 from kiln.artifact.manifest import Manifest
-from kiln.artifact.storage import DEFAULT_TIMEOUT, Deadline, fetch, scheme_of
+from kiln.artifact.storage import DEFAULT_TIMEOUT, Deadline, read_small, scheme_of
 from kiln.artifact.storage.base import ATTESTATION_SUFFIX
 from kiln.errors import IntegrityError, KilnError, NotFoundError, UsageError
+from kiln.files import atomic_write
 
 PAYLOAD_TYPE = "application/vnd.in-toto+json"
 STATEMENT_TYPE = "https://in-toto.io/Statement/v1"
@@ -413,26 +413,9 @@ def sign(
     envelope = Envelope(_canonical(statement), PAYLOAD_TYPE, {})
     envelope.sign(signing.signer)
     line = json.dumps(envelope.to_dict(), sort_keys=True, separators=(",", ":")) + "\n"
-    _write_atomic(target, line.encode())
+    with atomic_write(target) as fh:  # mode 0666 less the umask: public, like the artifact
+        fh.write(line.encode())
     return SignResult(artifact, target, sha256, signing.keyid, statement)
-
-
-def _write_atomic(target: Path, data: bytes) -> None:
-    target.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{target.name}.", suffix=".tmp", dir=target.parent)
-    try:
-        with os.fdopen(fd, "wb") as fh:
-            fh.write(data)
-            fh.flush()
-            os.fsync(fh.fileno())
-        umask = os.umask(0)
-        os.umask(umask)
-        Path(tmp).chmod(0o666 & ~umask)  # public, like the artifact it describes
-        os.replace(tmp, target)
-    except BaseException:
-        with contextlib.suppress(OSError):
-            Path(tmp).unlink()
-        raise
 
 
 # --- reading and verifying ------------------------------------------------------------------
@@ -605,20 +588,13 @@ def _fetch_attestation(location: str, timeout: float) -> bytes:
                 f"{location}: no attestation attached in the registry; --verify-key needs the "
                 "artifact's signed attestation (kiln sign, then kiln push)"
             ) from None
-    with tempfile.TemporaryDirectory(prefix="kiln-attestation-") as tmp:
-        try:
-            with fetch(location, Path(tmp), timeout=timeout) as fetched:
-                if fetched.size > MAX_ATTESTATION_BYTES:
-                    raise IntegrityError(
-                        f"{location}: {fetched.size} bytes, more than an attestation may be "
-                        f"({MAX_ATTESTATION_BYTES})"
-                    )
-                return fetched.file.read(MAX_ATTESTATION_BYTES + 1)
-        except NotFoundError:
-            raise IntegrityError(
-                f"{location}: no attestation there; --verify-key needs the artifact's signed "
-                "attestation (kiln sign), beside it or named by --attestation"
-            ) from None
+    try:
+        return read_small(location, MAX_ATTESTATION_BYTES, timeout=timeout)
+    except NotFoundError:
+        raise IntegrityError(
+            f"{location}: no attestation there; --verify-key needs the artifact's signed "
+            "attestation (kiln sign), beside it or named by --attestation"
+        ) from None
 
 
 def verify_attestation(

@@ -23,6 +23,7 @@ from kiln.artifact.storage.base import (
     ATTESTATION_SUFFIX,
     DEFAULT_TIMEOUT,
     ByteSink,
+    CappedBuffer,
     Deadline,
     Fetched,
     PushResult,
@@ -48,6 +49,7 @@ __all__ = [
     "is_remote",
     "parse_digest",
     "push",
+    "read_small",
     "scheme_of",
 ]
 
@@ -102,6 +104,18 @@ def fetch(
         fetched.close()
         raise
     return fetched
+
+
+def read_small(source: str, limit: int, *, timeout: float = DEFAULT_TIMEOUT) -> bytes:
+    """A small document at ``source`` (an attestation beside an artifact), read into memory
+    within ``timeout`` and refused past ``limit`` bytes as it arrives: nothing touches a disk,
+    so it works with a read-only root filesystem and cannot fill one."""
+    store = backend(scheme_of(source))
+    if store is None:
+        raise UsageError(f"{source}: unsupported source scheme {scheme_of(source)!r}")
+    out = CappedBuffer(limit, source)
+    store.fetch(source, out, deadline=Deadline(timeout), on_bytes=None)
+    return out.getvalue()
 
 
 def push(artifact: str | Path, dest: str) -> PushResult:

@@ -14,6 +14,7 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import importlib
+import io
 import math
 import re
 import threading
@@ -88,6 +89,21 @@ def check_timeout(value: object) -> float:
             f"--timeout {value!r}: expected a positive number of seconds, at most {MAX_TIMEOUT}"
         )
     return float(value)
+
+
+class CappedBuffer(io.BytesIO):
+    """An in-memory sink that refuses (:class:`IntegrityError`) past ``limit`` bytes: for small
+    documents from elsewhere (registry manifests, attestations), which must never fill memory
+    or a disk however much a server sends."""
+
+    def __init__(self, limit: int, source: str) -> None:
+        super().__init__()
+        self._limit, self._source = limit, source
+
+    def write(self, data: Any) -> int:
+        if self.tell() + len(data) > self._limit:
+            raise IntegrityError(f"{shown(self._source)}: more than {self._limit} bytes")
+        return super().write(data)
 
 
 class Deadline:

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
-import io
 import json
 import os
 import tempfile
@@ -23,6 +22,7 @@ from typing import IO, Any
 from kiln.artifact.storage.base import (
     ATTEMPTS,
     ByteSink,
+    CappedBuffer,
     Deadline,
     Digest,
     PushResult,
@@ -275,20 +275,9 @@ def _read_small(resp: Any, deadline: Deadline, url: str, limit: int = MAX_REFERR
     if declared.isdigit() and int(declared) > limit:
         resp.close()
         raise IntegrityError(f"{url}: registry document over {limit} bytes")
-    out = _Capped(limit, url)
+    out = CappedBuffer(limit, url)
     _copy_response(resp, out, None, None, deadline, url)
     return out.getvalue()
-
-
-class _Capped(io.BytesIO):
-    def __init__(self, limit: int, url: str) -> None:
-        super().__init__()
-        self._limit, self._url = limit, url
-
-    def write(self, data: Any) -> int:
-        if self.tell() + len(data) > self._limit:
-            raise IntegrityError(f"{self._url}: registry document over {self._limit} bytes")
-        return super().write(data)
 
 
 def _json_object(body: bytes, url: str, what: str) -> dict[str, Any]:
