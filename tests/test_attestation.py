@@ -656,11 +656,17 @@ def test_an_absurd_timeout_is_a_usage_error(tmp_path: Path, art: Path, cli) -> N
     assert r.returncode == 2 and "Traceback" not in r.stderr, r.stderr
 
 
-def test_an_endless_attestation_is_refused_as_it_arrives(tmp_path: Path, art: Path, key) -> None:
+def test_an_endless_attestation_is_refused_as_it_arrives(
+    tmp_path: Path, art: Path, key, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """A review found attestations downloaded whole to a temp folder before their size was
-    checked: a server could fill the pod's disk. Now they are read into memory, capped."""
+    checked: a server could fill the pod's disk, and with no writable temp folder (a read-only
+    root filesystem) the restore failed with exit 1. Now they are read into memory, capped."""
+    import tempfile
+
     from tests.servers import Exchange, scripted_http
 
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path / "no-such-temp-folder"))
     data = art.read_bytes()
 
     def script(x: Exchange) -> None:
