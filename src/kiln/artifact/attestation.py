@@ -53,7 +53,7 @@ from kiln.artifact.keys import (
 )
 from kiln.artifact.manifest import Manifest
 from kiln.artifact.storage import DEFAULT_TIMEOUT, Deadline, read_small, scheme_of
-from kiln.artifact.storage.base import ATTESTATION_SUFFIX
+from kiln.artifact.storage.base import ATTESTATION_SUFFIX, json_object
 from kiln.errors import IntegrityError, KilnError, NotFoundError, UsageError
 from kiln.files import atomic_write
 
@@ -434,16 +434,7 @@ def _envelope_dicts(data: bytes, where: str) -> list[dict[str, Any]]:
         raise IntegrityError(f"{where}: empty attestation")
     if len(lines) > MAX_ENVELOPES:
         raise IntegrityError(f"{where}: {len(lines)} envelopes, more than {MAX_ENVELOPES}")
-    out = []
-    for line in lines:
-        try:
-            doc = json.loads(line)
-        except (ValueError, RecursionError):
-            raise IntegrityError(f"{where}: not a DSSE envelope (a line is not JSON)") from None
-        if not isinstance(doc, dict):
-            raise IntegrityError(f"{where}: not a DSSE envelope (a line is not a JSON object)")
-        out.append(doc)
-    return out
+    return [json_object(line, f"{where}: a DSSE envelope line") for line in lines]
 
 
 def _b64(value: Any, what: str) -> bytes:

@@ -15,6 +15,7 @@ import contextlib
 import hashlib
 import importlib
 import io
+import json
 import math
 import re
 import threading
@@ -89,6 +90,21 @@ def check_timeout(value: object) -> float:
             f"--timeout {value!r}: expected a positive number of seconds, at most {MAX_TIMEOUT}"
         )
     return float(value)
+
+
+def json_object(data: bytes | str, what: str) -> dict[str, Any]:
+    """``data`` parsed as one JSON object, else :class:`IntegrityError` naming ``what``.
+
+    For documents from elsewhere (registry manifests, attestation lines): any JSON error,
+    nesting too deep for the parser included, is an integrity failure, never a crash.
+    """
+    try:
+        doc = json.loads(data)
+    except (ValueError, RecursionError):
+        raise IntegrityError(f"{what} is not JSON") from None
+    if not isinstance(doc, dict):
+        raise IntegrityError(f"{what} is not a JSON object")
+    return doc
 
 
 class CappedBuffer(io.BytesIO):

@@ -29,6 +29,7 @@ from kiln.artifact.storage.base import (
     RedirectRefused,
     Store,
     copy_hashing,
+    json_object,
     need_extra,
     redirect_allowed,
     shown,
@@ -219,7 +220,7 @@ def fetch_attestations(url: str, deadline: Deadline) -> bytes:
         )
         if _digest_of(body) != digest:
             raise IntegrityError(f"{url}: registry served referrer {digest} with other bytes")
-        manifest = _json_object(body, url, "referrer manifest")
+        manifest = json_object(body, f"{url}: the registry's referrer manifest")
         referred = manifest.get("subject")
         if not isinstance(referred, dict) or referred.get("digest") != subject:
             continue
@@ -280,16 +281,6 @@ def _read_small(resp: Any, deadline: Deadline, url: str, limit: int = MAX_REFERR
     return out.getvalue()
 
 
-def _json_object(body: bytes, url: str, what: str) -> dict[str, Any]:
-    try:
-        doc = json.loads(body)
-    except (ValueError, RecursionError):
-        raise IntegrityError(f"{url}: the registry's {what} is not JSON") from None
-    if not isinstance(doc, dict):
-        raise IntegrityError(f"{url}: the registry's {what} is not a JSON object")
-    return doc
-
-
 def _manifest_digest(reg: Any, container: Any, deadline: Deadline, url: str) -> str:
     body = _get_json_bytes(reg, container.manifest_url(), deadline, url, OCI_MANIFEST_TYPE)
     digest = _digest_of(body)
@@ -316,7 +307,7 @@ def _referrers(
             )
         except NotFoundError:
             return {}
-    return _json_object(body, url, "referrers index")
+    return json_object(body, f"{url}: the registry's referrers index")
 
 
 def _referrers_tag(subject: str) -> str:
