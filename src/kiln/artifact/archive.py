@@ -149,12 +149,17 @@ class _CheckedReader:
 
 
 def sha256_file(path: Path, on_bytes: Callable[[int], None] | None = None) -> str:
-    h = hashlib.sha256()
     with open(path, "rb") as fh:
-        while chunk := fh.read(CHUNK):
-            h.update(chunk)
-            if on_bytes:
-                on_bytes(len(chunk))
+        return sha256_of(fh, on_bytes)
+
+
+def sha256_of(fh: IO[bytes], on_bytes: Callable[[int], None] | None = None) -> str:
+    """The sha256 of what is left to read in ``fh`` (an open file: hashed once, by descriptor)."""
+    h = hashlib.sha256()
+    while chunk := fh.read(CHUNK):
+        h.update(chunk)
+        if on_bytes:
+            on_bytes(len(chunk))
     return h.hexdigest()
 
 

@@ -42,7 +42,7 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
-from kiln.artifact.archive import open_tar_stream, read_manifest_member
+from kiln.artifact.archive import open_tar_stream, read_manifest_member, sha256_of
 from kiln.artifact.keys import (
     SigningKey,
     VerifyKey,
@@ -66,7 +66,6 @@ BUILD_TYPE = "urn:torch-kiln:bake:v1"
 SUFFIX = ATTESTATION_SUFFIX
 MAX_ATTESTATION_BYTES = 16 << 20  # the spec is at most 1 MiB; the grid at most 4,096 keys
 MAX_ENVELOPES = 64  # lines in one .intoto.jsonl
-_CHUNK = 1 << 20
 
 # Fingerprint keys summarised where people read provenance (annotations, restore's note).
 _SUMMARY_KEYS = {
@@ -358,17 +357,10 @@ def _open_artifact(artifact: Path) -> Any:
     return fh
 
 
-def _sha256_of(fh: Any) -> str:
-    h = hashlib.sha256()
-    while chunk := fh.read(_CHUNK):
-        h.update(chunk)
-    return h.hexdigest()
-
-
 def _read_artifact(artifact: Path) -> tuple[Manifest, str]:
     """The manifest and sha256 of one open file (a file swapped in between cannot mix them)."""
     with _open_artifact(artifact) as fh:
-        digest = _sha256_of(fh)
+        digest = sha256_of(fh)
         fh.seek(0)
         with open_tar_stream(fh) as tar:
             manifest = read_manifest_member(tar)
@@ -636,7 +628,7 @@ def check_attests(attestation: Path, artifact: Path) -> None:
     with open(attestation, "rb") as fh:
         docs = _envelope_dicts(fh.read(MAX_ATTESTATION_BYTES + 1), str(attestation))
     with _open_artifact(artifact) as fh:
-        digest = _sha256_of(fh)
+        digest = sha256_of(fh)
     for doc in docs:
         with contextlib.suppress(IntegrityError):
             statement = _statement(_parse_envelope(doc).payload)
@@ -664,7 +656,7 @@ def show_attestation(artifact: str | Path) -> dict[str, Any] | None:
         with open(path, "rb") as fh:
             docs = _envelope_dicts(fh.read(MAX_ATTESTATION_BYTES + 1), str(path))
         with _open_artifact(Path(artifact)) as fh:
-            digest = _sha256_of(fh)
+            digest = sha256_of(fh)
         envelopes = []
         for doc in docs:
             parsed = _parse_envelope(doc)

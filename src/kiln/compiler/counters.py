@@ -68,7 +68,10 @@ class CompileCounters:
 
     def __sub__(self, other: CompileCounters) -> CompileCounters:
         return CompileCounters(
-            **{f.name: getattr(self, f.name) - getattr(other, f.name) for f in _fields(self)}
+            **{
+                f.name: getattr(self, f.name) - getattr(other, f.name)
+                for f in dataclasses.fields(self)
+            }
         )
 
     @property
@@ -111,7 +114,3 @@ def compile_counts(
         recompile_reasons=list(recompile_reasons),
         new_files=sorted(n for n in new_files if n.endswith(_COMPILED_SUFFIXES))[:NEW_FILES_SAMPLE],
     )
-
-
-def _fields(obj: Any) -> tuple[dataclasses.Field[Any], ...]:
-    return dataclasses.fields(obj)
