@@ -168,3 +168,43 @@ class _ResBlock(nn.Module):
 def convnet(width: int = 64, classes: int = 1000) -> nn.Module:
     torch.manual_seed(0)
     return ConvNet(width, classes)
+
+
+@torch.compiler.disable
+def _record_activation_stats(x: torch.Tensor) -> None:
+    """A host-side hook between layers (activation monitoring, a tracing span): Dynamo cannot
+    trace into it, so the model is split in two graphs here, as real models often are."""
+
+
+class TokenEncoder(nn.Module):
+    """An encoder (BERT-like: bidirectional attention, mean-pooled output) with one plain graph
+    break after layer ``break_after``: the reference for models that cannot be ``fullgraph``."""
+
+    def __init__(self, vocab: int, dim: int, layers: int, heads: int, break_after: int) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(vocab, dim)
+        self.layers = nn.ModuleList(
+            nn.TransformerEncoderLayer(dim, heads, 4 * dim, dropout=0.0, batch_first=True)
+            for _ in range(layers)
+        )
+        self.norm = nn.LayerNorm(dim)
+        self.break_after = break_after
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        x = self.embed(input_ids)
+        # Two loops, the hook between them: a break inside a loop makes Dynamo give up on the
+        # whole frame (eager), which is a different problem than the one this model shows.
+        for layer in self.layers[: self.break_after + 1]:
+            x = layer(x)
+        _record_activation_stats(x)
+        for layer in self.layers[self.break_after + 1 :]:
+            x = layer(x)
+        return self.norm(x).mean(dim=1)
+
+
+def encoder(
+    vocab: int = 30522, dim: int = 768, layers: int = 6, heads: int = 12, break_after: int = 2
+) -> nn.Module:
+    """The GPU reference encoder with a graph break (BERT-base width, 6 layers)."""
+    torch.manual_seed(0)
+    return TokenEncoder(vocab, dim, layers, heads, break_after)

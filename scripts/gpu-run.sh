@@ -3,7 +3,8 @@
 # Usage (on the GPU machine, from the repo root):
 #   scripts/gpu-run.sh [tests [PYTEST ARGS] | bench SPEC...]
 # Wheels for what the machine lacks come from `make gpu-wheels` (carry .whl).
-# BENCH_MODES=eager,cold,kiln,megacache,copied,kiln-blob,kiln-serial picks bench modes.
+# BENCH_MODES=eager,cold,kiln,megacache,copied,kiln-blob,kiln-serial picks bench modes;
+# BENCH_REPEAT=3 runs each served mode three times (medians with their range).
 # Writes logs and JSON to $OUT (or ./out/gpu) and prints a short table last.
 set -uo pipefail
 OUT=${OUT:-out/gpu}
@@ -31,6 +32,19 @@ for spec in "$@"; do
   name=$(basename "$spec" .yaml)
   if [ $((BUDGET_S - SECONDS)) -lt "$MIN_LEFT_S" ]; then echo "skip $name: ${SECONDS}s used"; continue; fi
   COLUMNS=160 python3 -m kiln bench "$spec" -q --modes "${BENCH_MODES:-eager,cold,kiln,megacache,copied}" \
-    --save "$OUT/bench-$name.json" 2> "$OUT/bench-$name.err" \
-    || { echo "bench $name failed"; tail -20 "$OUT/bench-$name.err"; }
+    --repeat "${BENCH_REPEAT:-1}" --save "$OUT/bench-$name.json" > "$OUT/bench-$name.txt" \
+    2> "$OUT/bench-$name.err" || { echo "bench $name failed"; tail -20 "$OUT/bench-$name.err"; }
 done
+# The short table: time to ready (median and range) and start-up per mode, per spec.
+python3 - "$OUT" <<'PY'
+import json, pathlib, sys
+for f in sorted(pathlib.Path(sys.argv[1]).glob("bench-*.json")):
+    r = json.loads(f.read_text())
+    eager = r["modes"].get("eager", {}).get("time_to_ready_s")
+    for m, v in r["modes"].items():
+        runs = v["ready_runs_s"] or [v["time_to_ready_s"]]
+        vs = f"{v['time_to_ready_s'] / eager:.2f}x" if eager else "-"
+        print(f"{r['name']:24} {m:12} ready {v['time_to_ready_s']:7.2f}s ({min(runs):.2f}-{max(runs):.2f})"
+              f" {vs:>6} start-up {v['startup_s']:6.2f}s compiles {v['compiles']}"
+              f" first-req/steady {v['worst_first_request_ratio'] or 0:.2f}")
+PY

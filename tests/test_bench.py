@@ -36,11 +36,20 @@ def test_bench_modes_and_ratios(write_spec, cli, tmp_path: Path) -> None:
     for m in modes.values():
         assert m["time_to_ready_s"] > 0 and len(m["buckets"]) == 2
     assert report["ratios"]["kiln/cold"] > 0
+    # Start-up, phase by phase (issue 13): eager imports no Inductor; the phases add up.
+    eager, served = ([p["phase"] for p in modes[m]["startup_phases"]] for m in ("eager", "kiln"))
+    assert eager[:3] == ["interpreter + kiln import", "import torch", "device init"]
+    assert "model build" in eager and not any("Inductor" in p for p in eager)
+    assert "model build (Inductor importing alongside)" in served
+    assert "Inductor import + worker pool: the rest" in served
+    for m in (modes["eager"], modes["kiln"]):
+        assert abs(sum(p["s"] for p in m["startup_phases"]) - m["startup_s"]) < 0.05
     human = cli(
         "bench", spec, "--modes", "kiln,kiln-blob,kiln-serial", "--repeat", "2", "--save", saved
     )
     assert human.returncode == 0, human.stderr[-2000:]
     assert "time to ready" in human.stdout and "kiln-blob" in human.stdout
+    assert "start-up, phase by phase" in human.stdout
     # Piped progress says which mode and which run each line belongs to (issue 17 item 4).
     assert "bench: bake" in human.stderr and "bench: kiln-blob 2/2" in human.stderr
     assert "  kiln-serial 1/2 · batch=2: start (" in human.stderr
@@ -73,3 +82,4 @@ def test_bench_precompile_spec_compares_with_plain_compile_caches(write_spec) ->
     assert "precompiled" in modes["kiln"]["note"]
     assert sum(b["unique_graphs"] for b in modes["kiln"]["buckets"]) == 0  # no Dynamo trace
     assert 0 < modes["kiln"]["startup_s"] <= modes["kiln"]["time_to_ready_s"]
+    assert [p["s"] for p in modes["kiln"]["startup_phases"] if p["phase"] == "precompiled load"]

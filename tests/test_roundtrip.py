@@ -266,7 +266,8 @@ def test_factory_error_is_a_spec_error(write_spec, tmp_path: Path, cli) -> None:
 
 
 def test_bake_says_when_a_fresh_process_still_compiles(write_spec, tmp_path: Path, cli) -> None:
-    """A model that closes over a per-process value can never hit: bake must say so, not ship."""
+    """A model that closes over a per-process value can never hit: the bake's proof compiles,
+    two re-bakes cannot fix it, and the bake says so instead of shipping silently."""
     header = "SCALE = random.random()  # a different constant in every process\n"
     spec_path = module_spec(
         write_spec, tmp_path, "perprocess", "return torch.relu(x) * SCALE", header
@@ -274,10 +275,13 @@ def test_bake_says_when_a_fresh_process_still_compiles(write_spec, tmp_path: Pat
     proc = cli("bake", spec_path, "-o", tmp_path / "pp.kiln.tar.zst", "--json")
     assert proc.returncode == 0, proc.stderr[-2000:]
     summary = json.loads(proc.stdout)
-    assert len(summary["warnings"]) == 1 and "still compiles" in summary["warnings"][0]
+    assert len(summary["warnings"]) == 1 and "the bake's proof" in summary["warnings"][0]
     assert "warning:" in proc.stderr and "kiln verify` will fail" in proc.stderr
     manifest = kiln.read_manifest(tmp_path / "pp.kiln.tar.zst")
     assert manifest.warnings == summary["warnings"]
+    assert manifest.proof is not None and manifest.proof.compiles > 0
+    assert manifest.proof.rebakes == 2 and summary["proof"]["rebakes"] == 2
+    assert len(manifest.passes) == 2 + 2  # the spec's two passes, then one per re-bake
     assert manifest.passes[-1].compiles > 0
 
 

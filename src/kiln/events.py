@@ -74,6 +74,14 @@ class PassStarted(_Event):
     order: list[str]
 
 
+class Proving(_Event):
+    """The bake serves its packed artifact from a fresh process (``attempt`` 0, then after
+    each re-bake)."""
+
+    event: Literal["prove"] = "prove"
+    attempt: int
+
+
 class ModeStarted(_Event):
     """A bench mode starts one of its runs (``run`` counts from 1; ``bake`` is a mode here)."""
 
@@ -136,6 +144,7 @@ Event = (
     | FirstPassDone
     | Heartbeat
     | PassStarted
+    | Proving
     | ModeStarted
     | Capturing
     | Packing

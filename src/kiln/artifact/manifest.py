@@ -111,6 +111,42 @@ class FileEntry(_Model):
 
 
 NEW_FILES_SAMPLE = 12  # file names kept per bucket: enough to say which kernels were built
+MAX_FRAMES = 64  # Dynamo frames named per bucket
+MAX_GRAPH_BREAKS = 256  # distinct graph breaks a manifest lists
+_MAX_TEXT = 500  # characters of a reason or a location
+
+
+class GraphBreak(_Model):
+    """One place Dynamo split the model, said the way torch said it.
+
+    Each break is a seam: the code after it is a separate frame that Dynamo compiles on its own
+    when execution reaches it. A break that depends on tensor *data* (a branch on a value,
+    ``.item()``, an output shape that depends on values) is a seam the bake can only cover for
+    the data it saw: serving data may reach a frame the bake never compiled.
+    """
+
+    where: str = Field(max_length=_MAX_TEXT, description="file:line in the model's code")
+    reason: str = Field(max_length=_MAX_TEXT)
+    gb_id: str | None = Field(None, pattern=r"^GB\d{4}$", description="torch's registry id")
+    data_dependent: bool = False
+    buckets: list[str] = Field(
+        default_factory=list, max_length=64, description="buckets that traced it (a sample)"
+    )
+
+    @property
+    def line(self) -> tuple[str, int] | None:
+        """(file name, line number) of :attr:`where`, or None if it does not end in one."""
+        path, _, line = self.where.rpartition(":")
+        return (path.rsplit("/", 1)[-1], int(line)) if line.isdigit() else None
+
+
+class ProofStats(_Model):
+    """The bake's own proof: a fresh process served the packed artifact, restored elsewhere."""
+
+    order: list[str]
+    compiles: int = Field(ge=0)
+    wall_s: float
+    rebakes: int = Field(0, ge=0, description="extra passes that filled what a proof missed")
 
 
 class CompileCounts(_Model):
@@ -139,6 +175,9 @@ class CompileCounts(_Model):
     unique_graphs: int = 0
     graph_breaks: int = 0
     recompile_reasons: list[str] = Field(default_factory=list)
+    # Code objects Dynamo traced here ("name file:line"): a miss in a resume function names the
+    # graph break whose other side serving reached (kiln.compiler.verify.explain).
+    frames: list[str] = Field(default_factory=list, max_length=MAX_FRAMES)
 
     @property
     def compiles(self) -> int:
@@ -160,6 +199,7 @@ class CompileCounts(_Model):
         names = CompileCounts.model_fields
         summed = {name: getattr(self, name) + getattr(other, name) for name in names}
         summed["new_files"] = summed["new_files"][:NEW_FILES_SAMPLE]
+        summed["frames"] = list(dict.fromkeys(summed["frames"]))[:MAX_FRAMES]
         return CompileCounts(**summed)
 
 
@@ -205,6 +245,8 @@ class Manifest(_Model):
     # kiln would derive from the spec.
     compile_kwargs: dict[str, Any] | None = None
     warnings: list[str] = Field(default_factory=list)  # what the bake could not settle
+    graph_breaks: list[GraphBreak] = Field(default_factory=list, max_length=MAX_GRAPH_BREAKS)
+    proof: ProofStats | None = None  # None: the bake was not proven (--no-prove, older kilns)
 
     @field_validator("name")
     @classmethod

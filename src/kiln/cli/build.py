@@ -11,8 +11,15 @@ import typer
 from rich.console import Console
 
 from kiln.cli.options import DEVICE_INDEX, JSON, QUIET, Device
-from kiln.cli.output import Output, esc
-from kiln.cli.render import bucket_table, fingerprint_table, human_bytes, print_table
+from kiln.cli.output import Output, esc, plain
+from kiln.cli.render import (
+    bucket_table,
+    fingerprint_table,
+    graph_break_table,
+    human_bytes,
+    print_table,
+    proof_line,
+)
 from kiln.spec import MAX_PASSES
 
 if TYPE_CHECKING:
@@ -35,6 +42,15 @@ def bake_cmd(
     passes: int = typer.Option(
         None, "--passes", min=1, max=MAX_PASSES, help="Fresh-process passes in other orders."
     ),
+    prove: bool = typer.Option(
+        True,
+        "--prove/--no-prove",
+        help="End with a fresh process serving the packed artifact restored elsewhere, and "
+        "re-bake what it compiled [default: prove].",
+    ),
+    strict: bool = typer.Option(
+        False, "--strict", help="Exit 6, writing nothing, when the proof still compiles."
+    ),
     sign_key: str = typer.Option(
         None,
         "--sign-key",
@@ -53,12 +69,15 @@ def bake_cmd(
     target = out or Path(f"{parsed.name}.kiln.tar.zst")
     signing = _signing_key(sign_key)  # before compiling: a bad key costs a second, not a bake
     with o.progress() as sink:
-        result = bake(parsed, target, passes=passes, on_event=sink)
+        result = bake(parsed, target, passes=passes, prove=prove, strict=strict, on_event=sink)
     signed = _sign(result, signing) if signing is not None else None
 
     def human(c: Console) -> None:
         m = result.manifest
         print_table(c, bucket_table(m.grid, f"{m.name}: {len(m.grid)} buckets baked"))
+        if m.graph_breaks:
+            print_table(c, graph_break_table(m.graph_breaks))
+        c.print(plain(proof_line(m)))
         c.print(
             f"wrote [bold]{esc(result.artifact)}[/] ({human_bytes(result.size)}, "
             f"{len(m.files)} files, "

@@ -47,6 +47,7 @@ from kiln.events import (
     Packed,
     Packing,
     PassStarted,
+    Proving,
     WorkerStarted,
 )
 
@@ -173,6 +174,12 @@ class _ProgressSink:
                 if self.plain and e.passes > 1:
                     where = f"{self.label}: " if self.label else ""
                     self.plain.note(f"{where}pass {e.index + 1}/{e.passes}")
+            case Proving() as e:
+                self.tasks.pop("first", None)
+                self.tasks.pop("warm", None)
+                again = f" (after re-bake {e.attempt})" if e.attempt else ""
+                if self.plain:
+                    self.plain.note(f"proof: serving the packed artifact in a fresh process{again}")
             case WorkerStarted() as e:
                 self._worker_started(e)
             case BucketStarted() as e:

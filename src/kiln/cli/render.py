@@ -15,7 +15,7 @@ from rich.measure import Measurement
 from rich.table import Table
 from rich.text import Text
 
-from kiln.artifact.manifest import BucketStats, Manifest
+from kiln.artifact.manifest import BucketStats, GraphBreak, Manifest
 from kiln.cli.output import esc, plain, visible
 
 if TYPE_CHECKING:
@@ -144,6 +144,28 @@ def bucket_table(buckets: list[BucketStats], title: str, *, verify: bool = False
     return table
 
 
+def graph_break_table(breaks: list[GraphBreak]) -> Table:
+    """Every place Dynamo split the model, torch's reason, and whether it depends on data."""
+    table = Table(title=f"{len(breaks)} graph break(s)", title_justify="left")
+    for col in ("where", "reason", "data-dependent", "buckets"):
+        table.add_column(col)
+    for b in breaks:
+        flag = Text("yes", "yellow") if b.data_dependent else Text("no")
+        shown = ", ".join(b.buckets[:3]) + (f" +{len(b.buckets) - 3}" if len(b.buckets) > 3 else "")
+        table.add_row(plain(b.where), plain(b.reason), flag, plain(shown))
+    return table
+
+
+def proof_line(m: Manifest) -> str:
+    """What the bake's own proof found (``kiln bake`` and ``kiln inspect`` print it)."""
+    p = m.proof
+    if p is None:
+        return "not proven: baked with --no-prove (or by an older kiln)"
+    rebaked = f" after {p.rebakes} re-bake(s)" if p.rebakes else ""
+    verdict = "0 compiles" if p.compiles == 0 else f"{p.compiles} compile(s) remain"
+    return f"proven: a fresh process served the packed artifact at another path: {verdict}{rebaked}"
+
+
 def factor_table(report: CheckReport, *, all_rows: bool) -> Table:
     """The fingerprint factors that differ (all of them with ``all_rows``) and their effect."""
     table = Table(title="factors", title_justify="left")
@@ -189,6 +211,9 @@ def manifest_view(console: Console, m: Manifest, digest: str | None = None) -> N
         console.print(plain(f"serve with torch.compile({args})"))
     print_table(console, fingerprint_table(m.fingerprint, "baked on"))
     print_table(console, bucket_table(m.grid, f"grid: {len(m.grid)} buckets"))
+    if m.graph_breaks:
+        print_table(console, graph_break_table(m.graph_breaks))
+    console.print(plain(proof_line(m)))
     kinds = Table(title=f"{len(m.files)} files, {human_bytes(m.total_bytes)}", title_justify="left")
     kinds.add_column("kind")
     kinds.add_column("files", justify="right")
@@ -247,9 +272,27 @@ def bench_table(report: BenchReport) -> Table:
     return table
 
 
+def startup_table(report: BenchReport) -> Table:
+    """Start-up phase by phase, a column per mode: where the time before the first call goes
+    (interpreter, imports, CUDA, model, Inductor and its pool, precompiled forwards)."""
+    modes = [m for m in report.modes.values() if m.startup_phases]
+    table = Table(title="start-up, phase by phase", title_justify="left")
+    table.add_column("phase")
+    for m in modes:
+        table.add_column(plain(m.mode), justify="right")
+    phases = list(dict.fromkeys(name for m in modes for name in m.startup_phases))
+    for name in phases:
+        cells = [m.startup_phases.get(name) for m in modes]
+        table.add_row(plain(name), *(ms(c) if c is not None else "—" for c in cells))
+    table.add_row("total", *(ms(sum(m.startup_phases.values())) for m in modes), style="bold")
+    return table
+
+
 def bench_view(console: Console, report: BenchReport) -> None:
     """The bench table, the ratios that answer "what does kiln buy", and how the run was made."""
     print_table(console, bench_table(report))
+    if any(m.startup_phases for m in report.modes.values()):
+        print_table(console, startup_table(report))
     r = report.ratios()
     console.print(
         " · ".join(

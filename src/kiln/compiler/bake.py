@@ -24,16 +24,17 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from kiln.artifact.archive import sha256_file, source_date_epoch, write_artifact
-from kiln.artifact.manifest import Manifest, PassStats
+from kiln.artifact.manifest import MAX_GRAPH_BREAKS, GraphBreak, Manifest, PassStats, ProofStats
 from kiln.compiler.capture import capture, payload_sha256
+from kiln.compiler.dynamo_log import merge_breaks
 from kiln.compiler.launch import WorkerRun, run_worker
-from kiln.compiler.protocol import WorkerRequest
-from kiln.errors import UsageError
-from kiln.events import Capturing, EventSink, Packed, Packing, PassStarted, ignore
-from kiln.grid import Bucket, expand, rotations
+from kiln.compiler.protocol import WorkerRequest, input_stream
+from kiln.errors import UsageError, VerificationError
+from kiln.events import Capturing, EventSink, Packed, Packing, PassStarted, Proving, ignore
+from kiln.grid import Bucket, expand, ordered, rotations
 from kiln.serving import (
     INDUCTOR_DIR,
     MEGACACHE_NAME,
@@ -44,7 +45,12 @@ from kiln.serving import (
 )
 from kiln.spec import MAX_PASSES, Spec, load_spec
 
+if TYPE_CHECKING:
+    from kiln.compiler.verify import VerifyReport
+
 MAX_AUTO_PASSES = 4
+MAX_REBAKES = 2  # passes added when the proof compiled, each proven again
+PROOF_SEED = 7919  # the proof's shuffle (and input stream): not an order a pass used
 
 
 @dataclass
@@ -58,17 +64,20 @@ class BakeResult:
     runs: list[WorkerRun] = field(default_factory=list, repr=False)
 
     def summary(self) -> dict[str, Any]:
+        m = self.manifest
         return {
             "artifact": str(self.artifact),
             "sha256": self.sha256,
             "size": self.size,
-            "name": self.manifest.name,
-            "buckets": len(self.manifest.grid),
-            "files": len(self.manifest.files),
-            "passes": len(self.manifest.passes),
-            "totals": self.manifest.totals,
+            "name": m.name,
+            "buckets": len(m.grid),
+            "files": len(m.files),
+            "passes": len(m.passes),
+            "totals": m.totals,
             "wall_s": round(self.wall_s, 3),
-            "warnings": self.manifest.warnings,
+            "proof": m.proof.model_dump(mode="json") if m.proof else None,
+            "graph_breaks": [b.model_dump(mode="json") for b in m.graph_breaks],
+            "warnings": m.warnings,
         }
 
 
@@ -77,10 +86,18 @@ def bake(
     out: str | Path,
     *,
     passes: int | None = None,
+    prove: bool = True,
+    strict: bool = False,
     on_event: EventSink | None = None,
     keep_workdir: Path | None = None,
 ) -> BakeResult:
     """Compile ``spec``'s grid and write a deterministic artifact to ``out``.
+
+    ``prove`` (the default) ends the bake with a fresh process that serves the packed artifact,
+    restored at another path, over the whole grid in a new order; whatever it compiles is baked
+    in by another pass and proven again (at most :data:`MAX_REBAKES` times). What still
+    compiles after that is a warning in the manifest, or with ``strict`` a
+    :class:`~kiln.errors.VerificationError` (exit 6) and no artifact.
 
     Nothing is written at ``out`` unless the whole bake succeeds. ``keep_workdir`` moves the
     bake's cache folder there instead of removing it (bench starts its stock modes from it).
@@ -95,11 +112,12 @@ def bake(
     emit = on_event or ignore
     t0 = time.time()
     with _stable_workdir(spec.name) as work:
-        runs, pass_stats = _compile_passes(spec, buckets, work, passes, emit)
-        emit(Capturing())
-        files = capture(work / INDUCTOR_DIR, work / MEGACACHE_NAME, work / PRECOMPILED_NAME)
-        manifest = _manifest(spec, buckets, runs, pass_stats, files)
-        emit(Packing(total=sum(f.size for f in files)))
+        baker = _Baker(spec, buckets, work, emit)
+        baker.compile_passes(passes)
+        manifest = baker.manifest()
+        if prove:
+            manifest = baker.prove(manifest, strict=strict)
+        emit(Packing(total=manifest.total_bytes))
         sha, size = write_artifact(out, manifest, work, on_bytes=lambda n: emit(Packed(bytes=n)))
         kept = _keep(work, keep_workdir) if keep_workdir is not None else None
     return BakeResult(
@@ -109,7 +127,7 @@ def bake(
         manifest=manifest,
         wall_s=time.time() - t0,
         workdir=kept,
-        runs=runs,
+        runs=baker.runs,
     )
 
 
@@ -123,54 +141,137 @@ def _pass_count(spec: Spec, passes: int | None) -> tuple[int, bool]:
     return (1 if settled else MAX_AUTO_PASSES), True
 
 
-def _compile_passes(
-    spec: Spec, buckets: list[Bucket], work: Path, passes: int | None, emit: EventSink
-) -> tuple[list[WorkerRun], list[PassStats]]:
-    """Run the bake's passes into ``work``'s cache root, each in a fresh worker, in other orders.
+@dataclass
+class _Baker:
+    """One bake's work folder and the fresh-process passes run into it.
 
-    The first pass compiles from nothing (in parallel) and saves the Mega-Cache blob and any
-    precompiled forwards; every later pass is a fresh process loading what it left, exactly as
-    a server will, with the spec's serving arguments.
+    Every pass compiles into ``work``'s cache root (one path for every bake of this name, see
+    :func:`_stable_workdir`): the first from nothing, in parallel, saving the Mega-Cache blob
+    and any precompiled forwards; every later pass a fresh process loading what it left, as a
+    server will, with the spec's serving arguments. Each pass draws its own input stream.
     """
-    count, auto = _pass_count(spec, passes)
-    orders = rotations(buckets, count)
-    root = work / INDUCTOR_DIR
-    root.mkdir()
-    env = {
-        **compile_env(spec),
-        "TORCHINDUCTOR_CACHE_DIR": str(root),
-        # Triton's own default (~/.triton) is outside the root: keep it private too.
-        "TRITON_HOME": str(work / "triton-home"),
-    }
-    first = WorkerRequest(
-        order=[b.key for b in buckets],
-        torch_kwargs=cold_torch_kwargs(spec.compile),
-        calls=spec.warmup.calls,
-        steady_calls=5,
-        cache_root=str(root),
-        megacache_save=str(work / MEGACACHE_NAME),
-        precompile_save=str(work / PRECOMPILED_NAME) if spec.compile.precompile else None,
-        fingerprint=True,
-    )
-    later = first.replace(
-        torch_kwargs=torch_kwargs(spec.compile),
-        megacache_save=None,
-        precompile_save=None,
-        fingerprint=False,
-    )
-    runs: list[WorkerRun] = []
-    pass_stats: list[PassStats] = []
-    for i, order in enumerate(orders):
-        keys = [b.key for b in order]
-        emit(PassStarted(index=i, passes=len(orders), order=keys))
-        request = (first if i == 0 else later).replace(order=keys)
-        run = run_worker(spec, request, env, on_event=emit)
-        runs.append(run)
+
+    spec: Spec
+    buckets: list[Bucket]
+    work: Path
+    emit: EventSink
+    runs: list[WorkerRun] = field(default_factory=list)
+    pass_stats: list[PassStats] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        self.root = self.work / INDUCTOR_DIR
+        self.root.mkdir()
+        self.env = {
+            **compile_env(self.spec),
+            "TORCHINDUCTOR_CACHE_DIR": str(self.root),
+            # Triton's own default (~/.triton) is outside the root: keep it private too.
+            "TRITON_HOME": str(self.work / "triton-home"),
+        }
+        precompile = self.work / PRECOMPILED_NAME if self.spec.compile.precompile else None
+        self.first = WorkerRequest(
+            order=[b.key for b in self.buckets],
+            torch_kwargs=cold_torch_kwargs(self.spec.compile),
+            calls=self.spec.warmup.calls,
+            steady_calls=5,
+            cache_root=str(self.root),
+            megacache_save=str(self.work / MEGACACHE_NAME),
+            precompile_save=str(precompile) if precompile else None,
+            fingerprint=True,
+        )
+        self.later = self.first.replace(
+            torch_kwargs=torch_kwargs(self.spec.compile),
+            megacache_save=None,
+            precompile_save=None,
+            fingerprint=False,
+        )
+
+    def run_pass(self, order: list[str], passes: int) -> int:
+        """One fresh-process pass over ``order``; returns what it compiled."""
+        i = len(self.runs)
+        self.emit(PassStarted(index=i, passes=max(passes, i + 1), order=order))
+        base = self.first if i == 0 else self.later
+        request = base.replace(order=order, input_seed=input_stream(i))
+        run = run_worker(self.spec, request, self.env, on_event=self.emit)
+        self.runs.append(run)
         compiles = run.result.compiles
-        pass_stats.append(PassStats(order=keys, compiles=compiles, wall_s=run.wall_s))
-        if auto and i > 0 and compiles == 0:
-            break
-    return runs, pass_stats
+        self.pass_stats.append(PassStats(order=order, compiles=compiles, wall_s=run.wall_s))
+        return compiles
+
+    def compile_passes(self, passes: int | None) -> None:
+        """The passes ``passes`` (or the spec) asks for, each in another order; automatic
+        counts stop at the first later pass that compiled nothing."""
+        count, auto = _pass_count(self.spec, passes)
+        for i, order in enumerate(rotations(self.buckets, count)):
+            compiles = self.run_pass([b.key for b in order], count)
+            if auto and i > 0 and compiles == 0:
+                break
+
+    def manifest(self, proof: ProofStats | None = None, proof_warning: str = "") -> Manifest:
+        """What the work folder holds now, described (files captured afresh: a re-bake adds)."""
+        self.emit(Capturing())
+        work = self.work
+        files = capture(work / INDUCTOR_DIR, work / MEGACACHE_NAME, work / PRECOMPILED_NAME)
+        warnings = _warnings(self.runs, self.pass_stats, proof, proof_warning)
+        runs, stats = self.runs, self.pass_stats
+        return _manifest(self.spec, self.buckets, runs, stats, files, warnings, proof)
+
+    def prove(self, manifest: Manifest, *, strict: bool) -> Manifest:
+        """Serve the packed artifact from a fresh process, restored at another path, in a new
+        order; bake in what that compiled and prove again, at most :data:`MAX_REBAKES` times.
+
+        The packed files, not the work folder, are what ships: a file capture missed, a path
+        baked into an entry, or a kernel one pass happened to build and the next loads from a
+        place restore does not fill would all pass a check of the work folder.
+        """
+        for attempt in range(MAX_REBAKES + 1):
+            report, wall_s = self._serve_packed(manifest, attempt)
+            proof = ProofStats(
+                order=report.order,
+                compiles=sum(b.compiles for b in report.buckets),
+                wall_s=round(wall_s, 3),
+                rebakes=attempt,
+            )
+            if report.ok:
+                return self.manifest(proof)
+            if attempt == MAX_REBAKES:
+                break
+            self.run_pass(report.order, len(self.runs) + 1)
+            manifest = self.manifest()
+        warning = (
+            f"the bake's proof (a fresh process serving the packed artifact restored at another "
+            f"path, in a new order) still compiled {proof.compiles} time(s) after "
+            f"{proof.rebakes} re-bake(s): {'; '.join(report.reasons()[:3])}. Serving will compile "
+            "too; `kiln verify` will fail"
+        )
+        if strict:
+            raise VerificationError(f"--strict: {warning}", detail=report.to_dict())
+        return self.manifest(proof, warning)
+
+    def _new_order_seed(self, seed: int) -> int:
+        """A shuffle seed whose order no pass used yet (when the grid has one to give)."""
+        used = {tuple(p.order) for p in self.pass_stats}
+        for candidate in range(seed, seed + 50):
+            if tuple(b.key for b in ordered(self.buckets, "shuffle", candidate)) not in used:
+                return candidate
+        return seed
+
+    def _serve_packed(self, manifest: Manifest, attempt: int) -> tuple[VerifyReport, float]:
+        from kiln.artifact.restore import restore
+        from kiln.compiler.verify import verify
+
+        self.emit(Proving(attempt=attempt))
+        t0 = time.time()
+        staged = self.work / f"proof-{attempt}.kiln.tar.zst"
+        proof_dir = self.work / f"proof-{attempt}"  # another path than the bake's root
+        try:
+            write_artifact(staged, manifest, self.work)
+            restore(staged, proof_dir)
+            seed = self._new_order_seed(PROOF_SEED + 100 * attempt)
+            report = verify(self.spec, proof_dir, order="shuffle", seed=seed, on_event=self.emit)
+        finally:
+            staged.unlink(missing_ok=True)
+            shutil.rmtree(proof_dir, ignore_errors=True)
+        return report, time.time() - t0
 
 
 def _keep(work: Path, target: Path) -> Path:
@@ -209,6 +310,8 @@ def _manifest(
     runs: list[WorkerRun],
     pass_stats: list[PassStats],
     files: list[Any],
+    warnings: list[str],
+    proof: ProofStats | None,
 ) -> Manifest:
     first = runs[0]
     grid = list(first.result.buckets)
@@ -241,8 +344,34 @@ def _manifest(
         megacache=MEGACACHE_NAME if any(f.path == MEGACACHE_NAME for f in files) else None,
         precompiled=PRECOMPILED_NAME if any(f.path == PRECOMPILED_NAME for f in files) else None,
         compile_kwargs=torch_kwargs(spec.compile),
-        warnings=_unsettled(runs, pass_stats),
+        graph_breaks=_graph_breaks(runs),
+        warnings=warnings,
+        proof=proof,
     )
+
+
+def _warnings(
+    runs: list[WorkerRun], pass_stats: list[PassStats], proof: ProofStats | None, failed: str
+) -> list[str]:
+    """What a user must know before shipping: the proof's failure (or, unproven, a last pass
+    that still compiled), and the graph breaks that depend on tensor data (serving data may
+    reach frames the bake never saw)."""
+    data_dependent = [b for b in _graph_breaks(runs) if b.data_dependent]
+    out = [failed] if failed else [] if proof else _unsettled(runs, pass_stats)
+    if data_dependent:
+        sites = "; ".join(f"{b.where} ({b.reason})" for b in data_dependent[:5])
+        more = f" and {len(data_dependent) - 5} more" if len(data_dependent) > 5 else ""
+        out.append(
+            f"{len(data_dependent)} graph break(s) depend on tensor data: {sites}{more}. The "
+            "bake compiled the code after them only for the inputs it drew; serving data may "
+            "take a path it never saw and compile. Make the branch branchless (torch.where, "
+            "torch.cond) or give the spec inputs that reach every path"
+        )
+    return out
+
+
+def _graph_breaks(runs: list[WorkerRun]) -> list[GraphBreak]:
+    return merge_breaks([b for r in runs for b in r.result.graph_breaks], MAX_GRAPH_BREAKS)
 
 
 def _unsettled(runs: list[WorkerRun], pass_stats: list[PassStats]) -> list[str]:

@@ -64,6 +64,7 @@ class ModeResult:
     time_to_warm_s: float
     startup_s: float  # process start → model built (and precompiled forwards loaded)
     buckets: list[BucketStats]
+    startup_phases: dict[str, float] = field(default_factory=dict)  # start-up, phase by phase
     note: str = ""
     ready_runs_s: list[float] = field(default_factory=list)  # every repeat's time to ready
 
@@ -89,6 +90,8 @@ class ModeResult:
             "time_to_ready_s": round(self.time_to_ready_s, 3),
             "time_to_warm_s": round(self.time_to_warm_s, 3),
             "startup_s": round(self.startup_s, 3),
+            # A list: JSON readers (and --json's sorted keys) would lose a dict's order.
+            "startup_phases": [{"phase": k, "s": v} for k, v in self.startup_phases.items()],
             "ready_runs_s": [round(t, 3) for t in self.ready_runs_s],
             "first_calls_s": round(self.first_calls_s, 3),
             "compiles": self.compiles,
@@ -393,5 +396,9 @@ def _mode(mode: str, run: WorkerRun, note: str = "") -> ModeResult:
         time_to_warm_s=run.time_to_warm,
         startup_s=run.startup,
         buckets=list(run.result.buckets),
+        startup_phases={
+            "interpreter + kiln import": round(run.result.process_start - run.spawned, 4),
+            **run.result.phases,
+        },
         note=note,
     )

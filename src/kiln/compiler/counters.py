@@ -14,7 +14,7 @@ from collections.abc import Collection, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from kiln.artifact.manifest import NEW_FILES_SAMPLE, CompileCounts
+from kiln.artifact.manifest import MAX_FRAMES, NEW_FILES_SAMPLE, CompileCounts
 from kiln.compiler.capture import AUTOTUNE_SUFFIXES, NATIVE_SUFFIXES
 
 _COMPILED_SUFFIXES = (*NATIVE_SUFFIXES, *AUTOTUNE_SUFFIXES)
@@ -86,6 +86,7 @@ def compile_counts(
     *,
     recompile_reasons: Sequence[str] = (),
     precompile_misses: int = 0,
+    frames: Sequence[str] = (),
 ) -> CompileCounts:
     """From a counter difference and the names of the files the step added to the cache."""
     native = sum(1 for n in new_files if n.endswith(NATIVE_SUFFIXES))
@@ -112,5 +113,6 @@ def compile_counts(
         graph_breaks=diff.graph_breaks,
         precompile_misses=precompile_misses,
         recompile_reasons=list(recompile_reasons),
+        frames=list(frames)[:MAX_FRAMES],
         new_files=sorted(n for n in new_files if n.endswith(_COMPILED_SUFFIXES))[:NEW_FILES_SAMPLE],
     )

@@ -15,7 +15,15 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from kiln.artifact.manifest import BucketStats
+from kiln.artifact.manifest import BucketStats, GraphBreak
+
+_STREAM_STRIDE = 1 << 24  # seeds per stream: 16,384 buckets of 1,000 calls
+
+
+def input_stream(stream: int) -> int:
+    """The ``input_seed`` of input stream ``stream``: each bake pass, the bake's proof and each
+    verify draw data no other of them drew, as serving traffic would."""
+    return (stream % (1 << 16)) * _STREAM_STRIDE
 
 
 class _Message(BaseModel):
@@ -45,6 +53,9 @@ class WorkerRequest(_Message):
     precompile_load: str | None = Field(None, description="serve from these precompiled forwards")
     fingerprint: bool = Field(False, description="record this process's environment fingerprint")
     device_index: int = Field(0, ge=0)
+    input_seed: int = Field(
+        0, ge=0, le=2**40, description="offset of every input seed (verify serves unseen data)"
+    )
 
     @model_validator(mode="after")
     def _precompile_compiles(self) -> WorkerRequest:
@@ -83,6 +94,10 @@ class WorkerResult(_Message):
     warm_done: float
     megacache: MegacacheInfo = Field(default_factory=MegacacheInfo)
     fingerprint: dict[str, Any] | None = None
+    graph_breaks: list[GraphBreak] = Field(default_factory=list, description="merged, all buckets")
+    phases: dict[str, float] = Field(
+        default_factory=dict, description="start-up in order: seconds per phase, before a call"
+    )
 
     @property
     def compiles(self) -> int:

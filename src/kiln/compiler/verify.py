@@ -10,21 +10,25 @@ torch's own reason if anything compiled. ``--ready-file`` is written only on suc
 from __future__ import annotations
 
 import json
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path, PurePosixPath
 from typing import Any
 
 from kiln.artifact.archive import read_manifest
-from kiln.artifact.manifest import BucketStats, Manifest
+from kiln.artifact.manifest import BucketStats, GraphBreak, Manifest
 from kiln.compiler.check import CheckReport, compare_manifest
+from kiln.compiler.dynamo_log import RESUME_FRAME
 from kiln.compiler.launch import run_worker
-from kiln.compiler.protocol import WorkerRequest
+from kiln.compiler.protocol import WorkerRequest, input_stream
 from kiln.errors import NotFoundError
 from kiln.events import EventSink
 from kiln.files import atomic_write
 from kiln.grid import expand, ordered
 from kiln.serving import INDUCTOR_DIR, cache_env, served_torch_kwargs
 from kiln.spec import Spec, load_spec
+
+_VERIFY_STREAMS = 100  # input streams below this are the bake's passes
 
 
 @dataclass
@@ -36,6 +40,7 @@ class VerifyReport:
     time_to_ready_s: float
     time_to_warm_s: float
     spec_matches: bool
+    graph_breaks: list[GraphBreak] = field(default_factory=list)  # what the bake saw
     extra: dict[str, Any] = field(default_factory=dict)
 
     @property
@@ -48,7 +53,7 @@ class VerifyReport:
 
     def reasons(self) -> list[str]:
         factors = ", ".join(f.name for f in self.check.misses) if self.check else ""
-        return [explain(b, factors) for b in self.failing]
+        return [explain(b, factors, self.graph_breaks) for b in self.failing]
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -66,12 +71,14 @@ class VerifyReport:
         }
 
 
-def explain(bucket: BucketStats, factors: str = "") -> str:
+def explain(bucket: BucketStats, factors: str = "", breaks: Sequence[GraphBreak] = ()) -> str:
     """One line on what compiled in ``bucket`` and the most specific cause we know.
 
-    A graph that missed is a cache-key question (name the differing factor, else torch's
-    recompile reason). Kernels rebuilt while every graph hit are a different problem — Triton
-    re-tuning or rebuilding — and saying "size mismatch" there would send the reader the wrong way.
+    A graph that missed is a cache-key question (name the differing factor), or the code after
+    a data-dependent graph break reached with data the bake never drew (name the break: a
+    shape guard quoted there would send the reader the wrong way), else torch's recompile
+    reason. Kernels rebuilt while every graph hit are a different problem again — Triton
+    re-tuning or rebuilding.
     """
     b = bucket
     graphs = b.fx_misses + b.fx_bypass + b.aot_misses + b.precompile_misses
@@ -83,7 +90,13 @@ def explain(bucket: BucketStats, factors: str = "") -> str:
         (b.autotunes, "autotune run", "autotune runs"),
     )
     what = ", ".join(f"{n} {one if n == 1 else many}" for n, one, many in counts if n)
-    if graphs:
+    seam = data_dependent_break(b, breaks) if graphs and not factors else None
+    if seam is not None:
+        hint = (
+            f"serving data reached code after the data-dependent graph break at {seam.where} "
+            f"({seam.reason}) that the bake's inputs never did"
+        )
+    elif graphs:
         why = b.recompile_reasons[-1].splitlines()[-1].strip("- ") if b.recompile_reasons else ""
         hint = f"environment differs: {factors}" if factors else "no cached entry matched"
         if why and not factors:
@@ -94,6 +107,25 @@ def explain(bucket: BucketStats, factors: str = "") -> str:
             f": {', '.join(kernels)}" if kernels else ""
         )
     return f"{b.key}: {b.compiles} compile(s): {what} ({hint})"
+
+
+def data_dependent_break(bucket: BucketStats, breaks: Sequence[GraphBreak]) -> GraphBreak | None:
+    """The data-dependent break whose resume frame Dynamo traced in ``bucket``, if any.
+
+    The code after a graph break at line N is a frame of its own, named
+    ``torch_dynamo_resume_in_FN_at_N``; tracing it in a served process while the bake's graphs
+    all matched the bucket's shapes means the data took a path the bake never compiled.
+    """
+    seams = {b.line: b for b in breaks if b.data_dependent and b.line}
+    for frame in bucket.frames:
+        name, _, where = frame.partition(" ")
+        resumed = RESUME_FRAME.match(name)
+        if resumed is None:
+            continue
+        place = (where.rpartition(":")[0].rsplit("/", 1)[-1], int(resumed.group(1)))
+        if place in seams:
+            return seams[place]
+    return None
 
 
 def served_request(cache: Path, manifest: Manifest, order: list[str], calls: int) -> WorkerRequest:
@@ -129,7 +161,10 @@ def verify(
     manifest = read_manifest(cache)
     order_keys = [b.key for b in ordered(expand(spec), order, seed)]
     request = served_request(cache, manifest, order_keys, spec.warmup.calls).replace(
-        fingerprint=True, device_index=device_index
+        fingerprint=True,
+        device_index=device_index,
+        # Data the bake never drew, as traffic's is: a path the bake's inputs missed shows here.
+        input_seed=input_stream(_VERIFY_STREAMS + seed),
     )
     run = run_worker(spec, request, cache_env(cache, manifest.env), on_event=on_event)
     fingerprint = run.result.fingerprint
@@ -145,6 +180,7 @@ def verify(
         time_to_ready_s=run.time_to_ready,
         time_to_warm_s=run.time_to_warm,
         spec_matches=spec.sha256() == manifest.spec_sha256,
+        graph_breaks=manifest.graph_breaks,
         extra={"precompile_load_s": run.result.precompile_load_s},
     )
     if ready_file is not None:

@@ -20,7 +20,6 @@ import contextlib
 import functools
 import importlib
 import inspect
-import logging
 import math
 import os
 import resource
@@ -33,9 +32,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, TypeVar
 
-from kiln.artifact.manifest import BucketStats, CompileCounts
+from kiln.artifact.manifest import MAX_GRAPH_BREAKS, BucketStats, CompileCounts, GraphBreak
+from kiln.compiler.activate import InductorWarmup
 from kiln.compiler.capture import snapshot
 from kiln.compiler.counters import CompileCounters, compile_counts
+from kiln.compiler.dynamo_log import DynamoLog, merge_breaks
 from kiln.compiler.launch import ignore_numpy_warning
 from kiln.compiler.protocol import (
     MegacacheInfo,
@@ -53,23 +54,16 @@ if TYPE_CHECKING:
 
 _START = time.time()
 _T = TypeVar("_T")
+# Input seeds: bucket i's call c draws seed input_seed + i * _SEED_STRIDE + c, so no two calls
+# of a pass (and no two buckets) share inputs; the "first real request" is a call none made.
+_SEED_STRIDE = 1_000
+_FIRST_REQUEST_CALL = _SEED_STRIDE - 1
 
 
 def _emit(event: WorkerEvent) -> None:
     """One progress event as a JSON line on stdout, which the parent reads as it comes."""
     sys.stdout.write(event.model_dump_json() + "\n")
     sys.stdout.flush()
-
-
-class _RecompileLog(logging.Handler):
-    """Keeps torch's own words for every recompile: verify names the reason, not just a count."""
-
-    def __init__(self) -> None:
-        super().__init__(logging.DEBUG)
-        self.messages: list[str] = []
-
-    def emit(self, record: logging.LogRecord) -> None:
-        self.messages.append(record.getMessage())
 
 
 def resolve_factory(spec: Spec) -> Any:
@@ -261,25 +255,34 @@ def _is_allocation_error(exc: BaseException) -> bool:
 def run(request: WorkerRequest) -> WorkerResult:
     """One grid pass as ``request`` asks: the model built, then every bucket's first call, then
     its warm calls, each bucket measured; then the caches saved and the environment recorded."""
-    import_start = time.time()
+    clock = _Phases()
     import torch
 
-    torch_import_s = time.time() - import_start
+    torch_import_s = clock.mark("import torch")
     spec = load_spec(request.spec_path)
     device = _setup_device(spec, request.device_index)
+    clock.mark("device init")
     loaded = _load_megacache(request.megacache_load)
+    clock.mark("Mega-Cache load")
     buckets = {b.key: b for b in expand(spec)}
-    recompiles = _watch_recompiles(len(buckets), compiling=request.torch_kwargs is not None)
+    compiling = request.torch_kwargs is not None
+    dynamo = _watch_dynamo(len(buckets), compiling=compiling)
+    warmup = InductorWarmup(request.torch_kwargs or {}).start() if compiling else None
     model = _build_model(spec, device)
+    clock.mark("model build" + (" (Inductor importing alongside)" if warmup else ""))
+    if warmup is not None:
+        warmup.wait()
+        clock.mark("Inductor import + worker pool: the rest")
     forward = _forward(request, spec, model, _synchronizer(device))
+    clock.mark("precompiled load" if request.precompile_load else "compile set-up")
     model_ready = time.time()
     _emit(WorkerStarted(buckets=len(request.order), torch_import_s=torch_import_s))
     grid = _Grid(
         spec=spec,
         device=device,
-        seeds={key: i for i, key in enumerate(buckets)},
+        seeds={key: request.input_seed + i * _SEED_STRIDE for i, key in enumerate(buckets)},
         forward=forward,
-        meter=_Meter(request.cache_root, recompiles, forward),
+        meter=_Meter(request.cache_root, dynamo, forward),
     )
     order = [buckets[k] for k in request.order]
     with torch.inference_mode():
@@ -303,10 +306,27 @@ def run(request: WorkerRequest) -> WorkerResult:
             entries=saved.entries if saved.saved else loaded.entries,
         ),
         fingerprint=_fingerprint(request, spec),
+        graph_breaks=merge_breaks(_relative(grid.meter.breaks, spec), MAX_GRAPH_BREAKS),
+        phases=clock.phases,
     )
 
 
 # --- the steps of a pass ---------------------------------------------------------------------
+class _Phases:
+    """Start-up, phase by phase: where a restored process spends the time before its first
+    call (bench shows it; the first one, since process start, includes kiln's own imports)."""
+
+    def __init__(self) -> None:
+        self.last = _START
+        self.phases: dict[str, float] = {}
+
+    def mark(self, name: str) -> float:
+        now = time.time()
+        self.phases[name] = round(now - self.last, 4)
+        self.last = now
+        return self.phases[name]
+
+
 def _setup_device(spec: Spec, index: int) -> Any:
     """The spec's device (``cuda`` means ``cuda:INDEX``), made current; a GPU torch cannot see
     is the spec's problem at ``model.device``, said with what torch was built with."""
@@ -345,18 +365,15 @@ def _load_megacache(path: str | None) -> MegacacheInfo:
     return MegacacheInfo(loaded=info is not None, entries=_cache_info_counts(info))
 
 
-def _watch_recompiles(buckets: int, *, compiling: bool) -> _RecompileLog:
+def _watch_dynamo(buckets: int, *, compiling: bool) -> DynamoLog:
     """Room for the whole grid under Dynamo's recompile limits (past them torch silently runs
-    eager), and torch's own words for every recompile, kept for verify's reasons."""
+    eager), and Dynamo's own words for recompiles, graph breaks and the frames it traced."""
     import torch
 
     torch._dynamo.config.recompile_limit = max(8, 2 * buckets + 2)
     torch._dynamo.config.accumulated_recompile_limit = max(256, 8 * buckets)
-    recompiles = _RecompileLog()
-    if compiling:
-        torch._logging.set_logs(recompiles=True)
-        logging.getLogger("torch._dynamo.guards.__recompiles").addHandler(recompiles)
-    return recompiles
+    log = DynamoLog()
+    return log.install() if compiling else log
 
 
 def _build_model(spec: Spec, device: Any) -> Any:
@@ -469,27 +486,31 @@ def _precompiled(
 
 
 class _Meter:
-    """Measures what one step compiled: the difference in torch's counters, the recompiles
-    torch logged, the precompiled-forward misses, and the files it added to the cache root."""
+    """Measures what one step compiled: the difference in torch's counters, what Dynamo logged
+    (recompiles, graph breaks, frames), the precompiled-forward misses, and the files the step
+    added to the cache root."""
 
-    def __init__(
-        self, cache_root: str | None, recompiles: _RecompileLog, forward: _Forward
-    ) -> None:
+    def __init__(self, cache_root: str | None, dynamo: DynamoLog, forward: _Forward) -> None:
         self.root = Path(cache_root) if cache_root else None
-        self.recompiles, self.forward = recompiles, forward
+        self.dynamo, self.forward = dynamo, forward
+        self.breaks: list[GraphBreak] = []  # every bucket's, merged into the result
 
     def _files(self) -> set[str]:
         return snapshot(self.root) if self.root else set()
 
-    def measure(self, step: Callable[[], _T]) -> tuple[_T, CompileCounts]:
+    def measure(self, key: str, step: Callable[[], _T]) -> tuple[_T, CompileCounts]:
         before, files = CompileCounters.read(), self._files()
-        logged, missed = len(self.recompiles.messages), self.forward.misses
+        mark, missed = self.dynamo.mark(), self.forward.misses
         value = step()
+        self.breaks += [
+            b.model_copy(update={"buckets": [key]}) for b in self.dynamo.breaks_since(mark)
+        ]
         compiles = compile_counts(
             CompileCounters.read() - before,
             self._files() - files,
-            recompile_reasons=self.recompiles.messages[logged:],
+            recompile_reasons=self.dynamo.recompiles_since(mark),
             precompile_misses=self.forward.misses - missed,
+            frames=self.dynamo.frames_since(mark),
         )
         return value, compiles
 
@@ -508,9 +529,10 @@ class _Grid:
         """Phase 1: every bucket once, in request order. "Ready" in bench terms ends here."""
         out: dict[str, tuple[float, CompileCounts]] = {}
         for i, bucket in enumerate(order):
-            inputs = make_inputs(self.spec, bucket, self.device, self.seeds[bucket.key])
+            inputs = self._inputs(bucket, call=0)
             _emit(BucketStarted(phase="first", index=i, key=bucket.key))
-            seconds, compiles = self.meter.measure(functools.partial(self.forward.first, inputs))
+            step = functools.partial(self.forward.first, inputs)
+            seconds, compiles = self.meter.measure(bucket.key, step)
             out[bucket.key] = (seconds, compiles)
             _emit(BucketDone(phase="first", index=i, key=bucket.key, seconds=seconds))
         return out
@@ -523,28 +545,34 @@ class _Grid:
         recompiles on its second call is not warm."""
         out: dict[str, tuple[float | None, float, CompileCounts]] = {}
         for i, bucket in enumerate(order):
-            seed = self.seeds[bucket.key]
-            inputs = make_inputs(self.spec, bucket, self.device, seed)
-            fresh = None
-            if request.first_request:
-                fresh = make_inputs(self.spec, bucket, self.device, 10_000 + seed)
+            warmups = [self._inputs(bucket, call) for call in range(1, calls)]
+            fresh = self._inputs(bucket, _FIRST_REQUEST_CALL) if request.first_request else None
+            steady = self._inputs(bucket, call=0)
             _emit(BucketStarted(phase="warm", index=i, key=bucket.key))
-            warm = functools.partial(
-                self._warm_calls, inputs, fresh, calls - 1, request.steady_calls
-            )
-            (first_request, steady), compiles = self.meter.measure(warm)
-            out[bucket.key] = (first_request, steady, compiles)
-            _emit(BucketDone(phase="warm", index=i, key=bucket.key, seconds=steady))
+            warm = functools.partial(self._warm_calls, warmups, fresh, steady, request.steady_calls)
+            (first_request, steady_s), compiles = self.meter.measure(bucket.key, warm)
+            out[bucket.key] = (first_request, steady_s, compiles)
+            _emit(BucketDone(phase="warm", index=i, key=bucket.key, seconds=steady_s))
         return out
 
+    def _inputs(self, bucket: Bucket, call: int) -> dict[str, Any]:
+        """Fresh inputs for each warmup call: a model that branches on its data compiles the
+        frames after that branch only for the data that reaches them, so calls that all see
+        the same tensors cover one side of every such branch."""
+        return make_inputs(self.spec, bucket, self.device, self.seeds[bucket.key] + call)
+
     def _warm_calls(
-        self, inputs: dict[str, Any], fresh: dict[str, Any] | None, calls: int, steady_calls: int
+        self,
+        warmups: list[dict[str, Any]],
+        fresh: dict[str, Any] | None,
+        steady: dict[str, Any],
+        steady_calls: int,
     ) -> tuple[float | None, float]:
-        for _ in range(calls):
+        for inputs in warmups:
             self.forward.timed(inputs)
         first_request = self.forward.timed(fresh) if fresh is not None else None
-        steady = statistics.median(self.forward.timed(inputs) for _ in range(steady_calls))
-        return first_request, steady
+        steady_s = statistics.median(self.forward.timed(steady) for _ in range(steady_calls))
+        return first_request, steady_s
 
 
 def _calls(request: WorkerRequest, spec: Spec) -> int:
@@ -584,6 +612,18 @@ def _save_caches(request: WorkerRequest, forward: _Forward) -> MegacacheInfo:
         return MegacacheInfo(saved=False)
     Path(request.megacache_save).write_bytes(saved[0])
     return MegacacheInfo(saved=True, entries=_cache_info_counts(saved[1]))
+
+
+def _relative(breaks: list[GraphBreak], spec: Spec) -> list[GraphBreak]:
+    """Places in the model's own files relative to the spec's folder: the bake machine's
+    checkout path means nothing to whoever reads the manifest."""
+    base = f"{spec.base_dir.resolve()}/"
+    return [
+        b.model_copy(update={"where": b.where.removeprefix(base)})
+        if b.where.startswith(base)
+        else b
+        for b in breaks
+    ]
 
 
 def _fingerprint(request: WorkerRequest, spec: Spec) -> dict[str, Any] | None:

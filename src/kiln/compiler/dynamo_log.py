@@ -1,0 +1,160 @@
+"""What Dynamo said while a step ran: recompiles, graph breaks and the frames it traced.
+
+Torch's counters say *how many* graphs compiled; only its logs say *why* and *where*. kiln keeps
+three of them, through logging handlers rather than by scraping stderr:
+
+- recompiles (``torch._dynamo.guards.__recompiles``): the guard that failed, for verify's reasons;
+- graph breaks (``torch._dynamo.symbolic_convert.__graph_breaks``): the file:line and torch's
+  reason for each seam, and whether it depends on tensor data — the bake warns about those,
+  since serving data may reach a frame after the break that the bake's inputs never did;
+- frames (the "torchdynamo start compiling" debug line of ``torch._dynamo.convert_frame``): which
+  code objects Dynamo traced, so a miss in ``torch_dynamo_resume_in_forward_at_42`` can be tied
+  to the data-dependent break at line 42.
+
+The parsing is plain text work (:func:`parse_graph_break`) so that it is tested without torch.
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+from dataclasses import dataclass, field
+
+from kiln.artifact.manifest import GraphBreak
+
+_RECOMPILES = "torch._dynamo.guards.__recompiles"
+_GRAPH_BREAKS = "torch._dynamo.symbolic_convert.__graph_breaks"
+_CONVERT_FRAME = "torch._dynamo.convert_frame"
+_FRAME_START = "torchdynamo start compiling"
+
+_WHERE = re.compile(r"in user code at (.+?:\d+)")
+_REASON = re.compile(r"Graph Break Reason:\s*(.+)")
+_GB_ID = re.compile(r"\b(?:gb|GB)(\d{4})\b")
+_FIRST_LINE_LIMIT = 300
+_ADDRESS = re.compile(r" at 0x[0-9a-fA-F]+")
+
+# torch's graph-break registry (torch/_dynamo/graph_break_registry.json, 2.9+) ids whose break
+# depends on tensor values, and the words older torch builds use for the same breaks.
+DATA_DEPENDENT_IDS = frozenset(
+    {"GB0018", "GB0033", "GB0034", "GB0035", "GB0036", "GB0037", "GB0109", "GB0124", "GB0170"}
+    | {"GB0246"}
+)
+_DATA_DEPENDENT_WORDS = re.compile(
+    r"data[- ]dependent|dynamic shape operator|Tensor\.item\(\)|\.tolist\(\)|unbacked",
+    re.IGNORECASE,
+)
+RESUME_FRAME = re.compile(r"^torch_dynamo_resume_in_\w+?_at_(\d+)\b")
+
+
+def parse_graph_break(message: str) -> GraphBreak | None:
+    """One graph-break log message as a :class:`GraphBreak`, or None when it names no place.
+
+    torch's message: "Graph break in user code at FILE:LINE", then "Graph Break Reason: …", a
+    registry URL ending in ``gbNNNN.html`` (2.9+), and the user's stack.
+    """
+    where = _WHERE.search(message)
+    if where is None:
+        return None
+    reason_match = _REASON.search(message)
+    reason = reason_match.group(1).strip() if reason_match else ""
+    if reason.startswith("Encountered graph break when attempting to trace"):
+        # 2.10+ wraps the real reason: the first indented "Explanation" names it better.
+        detail = re.search(r"\n\s*\n(.+?)\n\s*Explanation:\s*(.+)", message)
+        if detail:
+            reason = f"{detail.group(1).strip()}: {detail.group(2).strip()}"
+    # Object addresses differ in every process: two bakes of one model must say the same thing.
+    reason = _ADDRESS.sub("", reason)[:_FIRST_LINE_LIMIT] or "unknown reason"
+    gb = _GB_ID.search(message)
+    gb_id = f"GB{gb.group(1)}" if gb else None
+    data_dependent = gb_id in DATA_DEPENDENT_IDS or bool(_DATA_DEPENDENT_WORDS.search(reason))
+    return GraphBreak(
+        where=where.group(1)[-_FIRST_LINE_LIMIT:],
+        reason=reason,
+        gb_id=gb_id,
+        data_dependent=data_dependent,
+    )
+
+
+def merge_breaks(breaks: list[GraphBreak], limit: int) -> list[GraphBreak]:
+    """One entry per (place, reason), the buckets that traced it united, in a stable order."""
+    merged: dict[tuple[str, str], GraphBreak] = {}
+    for b in breaks:
+        key = (b.where, b.reason)
+        seen = merged.get(key)
+        if seen is None:
+            merged[key] = b.model_copy(update={"buckets": list(b.buckets)})
+        else:
+            seen.buckets = list(dict.fromkeys([*seen.buckets, *b.buckets]))[:64]
+    return sorted(merged.values(), key=lambda b: (not b.data_dependent, b.where, b.reason))[:limit]
+
+
+@dataclass
+class _Handler(logging.Handler):
+    sink: list[logging.LogRecord] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        super().__init__(logging.DEBUG)
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.sink.append(record)
+
+    __hash__ = logging.Handler.__hash__
+
+
+class _KeepFrameStarts(logging.Filter):
+    """Lets the frame-start debug line reach kiln's handler only: the rest of that logger's
+    debug output would bury the worker's log."""
+
+    def __init__(self, handler: _Handler, threshold: int) -> None:
+        super().__init__()
+        self.handler, self.threshold = handler, threshold
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if record.levelno >= self.threshold:
+            return True
+        if isinstance(record.msg, str) and record.msg.startswith(_FRAME_START):
+            self.handler.emit(record)
+        return False
+
+
+class DynamoLog:
+    """The three logs, collected for the whole process; :meth:`mark` and the ``since`` methods
+    slice them per step."""
+
+    def __init__(self) -> None:
+        self._recompiles = _Handler()
+        self._breaks = _Handler()
+        self._frames = _Handler()
+
+    def install(self) -> DynamoLog:
+        """Turn the artifacts on (recompiles and graph breaks print to stderr as well, which the
+        parent keeps in the worker's log)."""
+        import torch
+
+        torch._logging.set_logs(recompiles=True, graph_breaks=True)
+        logging.getLogger(_RECOMPILES).addHandler(self._recompiles)
+        logging.getLogger(_GRAPH_BREAKS).addHandler(self._breaks)
+        frames = logging.getLogger(_CONVERT_FRAME)
+        threshold = frames.getEffectiveLevel()
+        frames.setLevel(logging.DEBUG)
+        frames.addFilter(_KeepFrameStarts(self._frames, threshold))
+        return self
+
+    def mark(self) -> tuple[int, int, int]:
+        return len(self._recompiles.sink), len(self._breaks.sink), len(self._frames.sink)
+
+    def recompiles_since(self, mark: tuple[int, int, int]) -> list[str]:
+        return [r.getMessage() for r in self._recompiles.sink[mark[0] :]]
+
+    def breaks_since(self, mark: tuple[int, int, int]) -> list[GraphBreak]:
+        parsed = (parse_graph_break(r.getMessage()) for r in self._breaks.sink[mark[1] :])
+        return [b for b in parsed if b is not None]
+
+    def frames_since(self, mark: tuple[int, int, int]) -> list[str]:
+        out = []
+        for record in self._frames.sink[mark[2] :]:
+            args = record.args if isinstance(record.args, tuple) else ()
+            if len(args) >= 3:
+                name, filename, line = args[:3]
+                out.append(f"{name} {filename}:{line}")
+        return list(dict.fromkeys(out))
