@@ -41,24 +41,35 @@ def bake_cmd(
         help="Also write OUT.intoto.jsonl, signed provenance (PEM key path, env:NAME or fd:N; "
         "needs the sign extra).",
     ),
+    shard: str = typer.Option(
+        None,
+        "--shard",
+        metavar="I/N",
+        help="Bake only slice I (0-based) of N of the grid, e.g. $(JOB_COMPLETION_INDEX)/4; "
+        "combine the N artifacts with `kiln merge`.",
+    ),
     json_: bool = JSON,
     quiet: bool = QUIET,
 ) -> None:
     """Compile SPEC's grid in an isolated cache root and write a deterministic artifact."""
     from kiln.compiler.bake import bake
+    from kiln.grid import Shard
     from kiln.spec import load_spec
 
     o = Output(json_, quiet)
+    sliced = Shard.parse(shard) if shard is not None else None  # exit 2 before the spec loads
     parsed = load_spec(spec)
-    target = out or Path(f"{parsed.name}.kiln.tar.zst")
+    suffix = sliced.suffix if sliced is not None else ""
+    target = out or Path(f"{parsed.name}{suffix}.kiln.tar.zst")
     signing = _signing_key(sign_key)  # before compiling: a bad key costs a second, not a bake
     with o.progress() as sink:
-        result = bake(parsed, target, passes=passes, on_event=sink)
+        result = bake(parsed, target, passes=passes, on_event=sink, shard=sliced)
     signed = _sign(result, signing) if signing is not None else None
 
     def human(c: Console) -> None:
         m = result.manifest
-        print_table(c, bucket_table(m.grid, f"{m.name}: {len(m.grid)} buckets baked"))
+        where = f" (shard {m.shard.label})" if m.shard is not None else ""
+        print_table(c, bucket_table(m.grid, f"{m.name}: {len(m.grid)} buckets baked{where}"))
         c.print(
             f"wrote [bold]{esc(result.artifact)}[/] ({human_bytes(result.size)}, "
             f"{len(m.files)} files, "
@@ -71,6 +82,8 @@ def bake_cmd(
     for warning in result.manifest.warnings:
         o.warn(warning)
     summary = result.summary()
+    if result.manifest.shard is not None:
+        summary["shard"] = result.manifest.shard.model_dump()
     if signed is not None:
         summary["attestation"] = str(signed.attestation)
     o.emit(summary, human)

@@ -27,13 +27,13 @@ from pathlib import Path
 from typing import Any
 
 from kiln.artifact.archive import sha256_file, source_date_epoch, write_artifact
-from kiln.artifact.manifest import Manifest, PassStats
+from kiln.artifact.manifest import Manifest, PassStats, ShardInfo
 from kiln.compiler.capture import capture, payload_sha256
 from kiln.compiler.launch import WorkerRun, run_worker
 from kiln.compiler.protocol import WorkerRequest
 from kiln.errors import UsageError
 from kiln.events import Capturing, EventSink, Packed, Packing, PassStarted, ignore
-from kiln.grid import Bucket, expand, rotations
+from kiln.grid import Bucket, Shard, expand, rotations, shard_grid
 from kiln.serving import (
     INDUCTOR_DIR,
     MEGACACHE_NAME,
@@ -79,26 +79,36 @@ def bake(
     passes: int | None = None,
     on_event: EventSink | None = None,
     keep_workdir: Path | None = None,
+    shard: Shard | tuple[int, int] | str | None = None,
 ) -> BakeResult:
     """Compile ``spec``'s grid and write a deterministic artifact to ``out``.
 
     Nothing is written at ``out`` unless the whole bake succeeds. ``keep_workdir`` moves the
     bake's cache folder there instead of removing it (bench starts its stock modes from it).
+    ``shard`` (``Shard(i, n)``, ``(i, n)`` or ``"i/n"``) bakes only that slice of the grid
+    (:func:`kiln.grid.shard_buckets`); ``kiln merge`` combines the shards' artifacts.
     """
     spec = spec if isinstance(spec, Spec) else load_spec(spec)
     out = Path(out)
     buckets = expand(spec)
     if not buckets:
         raise UsageError("the grid is empty after `exclude`")
+    sliced = Shard.of(shard) if shard is not None else None
+    if sliced is not None:
+        buckets = shard_grid(spec, buckets, sliced)
     if passes is not None and not 1 <= passes <= MAX_PASSES:
         raise UsageError(f"passes must be between 1 and {MAX_PASSES}")
     emit = on_event or ignore
     t0 = time.time()
+    # Shards too bake in the one workdir of their spec's name: torch writes that path into
+    # native objects, so shards baked elsewhere would collide in `kiln merge` (exit 3).
     with _stable_workdir(spec.name) as work:
         runs, pass_stats = _compile_passes(spec, buckets, work, passes, emit)
         emit(Capturing())
         files = capture(work / INDUCTOR_DIR, work / MEGACACHE_NAME, work / PRECOMPILED_NAME)
         manifest = _manifest(spec, buckets, runs, pass_stats, files)
+        if sliced is not None:
+            manifest.shard = ShardInfo.of(sliced.count, [sliced.index])
         emit(Packing(total=sum(f.size for f in files)))
         sha, size = write_artifact(out, manifest, work, on_bytes=lambda n: emit(Packed(bytes=n)))
         kept = _keep(work, keep_workdir) if keep_workdir is not None else None
