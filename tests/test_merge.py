@@ -353,7 +353,7 @@ def test_three_shards_merge_into_what_one_process_serves(
         result = json.loads(proc.stdout)
         assert result["shard"] == {"count": 3, "indexes": [i], "complete": False}
         assert result["buckets"] == 1
-        shards.append(Path(result["artifact"]))
+        shards.append(tmp_path / result["artifact"])  # relative to the cwd: tmp_path
     assert shards[1].name == "tiny-mlp.shard-1-of-3.kiln.tar.zst"
     merged = kiln.merge(shards, tmp_path / "merged.kiln.tar.zst")
     again = kiln.merge(shards[::-1], tmp_path / "again.kiln.tar.zst")
