@@ -20,7 +20,7 @@ isolated() {  # isolated ROOT CMD...: CMD with $BASE bind-mounted from ROOT
     local root=$1
     shift
     mkdir -p "$root"
-    unshare --mount --propagation private sh -c 'mount --bind "$0" "$1" && shift 2 && exec "$@"' \
+    unshare --mount --propagation private sh -c 'mount --bind "$0" "$1" && shift && exec "$@"' \
         "$root" "$BASE" "$@"
 }
 
