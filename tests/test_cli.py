@@ -119,3 +119,22 @@ def test_check_and_activate_word_an_incompatibility_alike(cli, tmp_path: Path) -
     )
     assert served.returncode == 0, served.stderr
     assert line == f"kiln: error: {served.stdout.strip()}"
+
+
+@pytest.mark.parametrize(
+    ("shard", "why"),
+    [
+        ("3/3", "the index counts from 0, so it is at most 2"),
+        ("1", "expected INDEX/COUNT"),
+        ("0/0", "at least 1"),
+        ("0/4", "4 shards for a grid of 3 bucket(s)"),
+    ],
+)
+def test_a_bad_shard_is_one_line_exit_2(cli, write_spec, shard: str, why: str) -> None:
+    """Issue 14: `--shard I/N` is checked before anything compiles (torch blocked here)."""
+    proc = cli("bake", write_spec(mlp_spec()), "--shard", shard, no_torch=True)
+    assert proc.returncode == 2, proc.stderr
+    assert why in one_error_line(proc.stderr)
+    dynamic = cli("bake", write_spec(mlp_spec(dynamic="null")), "--shard", "0/2", no_torch=True)
+    assert dynamic.returncode == 2, dynamic.stderr
+    assert "sharding needs compile.dynamic: false" in one_error_line(dynamic.stderr)

@@ -18,6 +18,7 @@ import pytest
 import yaml
 
 import kiln
+from kiln.grid import expand
 from tests.archives import good_archive
 from tests.conftest import ROOT
 from tests.keys import make_key
@@ -271,3 +272,137 @@ def test_example_server_is_ready_with_zero_compiles(baked, tmp_path: Path) -> No
     finally:
         proc.kill()
         proc.wait()
+
+
+# --- sharded bakes (issue 14): the Indexed Job and the CI matrix ------------------------------
+SCHEMAS = ROOT / "tests" / "schemas"
+WORKFLOW_SCHEMA_SHA256 = "d10c9f4656e1bd5bc6727e9b35080e017dc167154726fca93da33c7a6bd1c4f3"
+WORKFLOWS = ("github-actions.yml", "github-actions-sharded.yml")
+
+
+def load_workflow(name: str) -> dict:
+    """A workflow as GitHub reads it: YAML 1.1 turns the key `on` into True, GitHub does not."""
+    wf = yaml.safe_load((ROOT / "examples/ci" / name).read_text())
+    if True in wf:
+        wf["on"] = wf.pop(True)
+    return wf
+
+
+@pytest.mark.parametrize("name", WORKFLOWS)
+def test_ci_workflows_validate_against_the_schemastore_schema(name: str) -> None:
+    import hashlib
+
+    import jsonschema
+
+    raw = (SCHEMAS / "github-workflow.json").read_bytes()
+    assert hashlib.sha256(raw).hexdigest() == WORKFLOW_SCHEMA_SHA256  # the vendored file
+    schema = json.loads(raw)
+    jsonschema.validators.validator_for(schema)(schema).validate(load_workflow(name))
+    # The schema is strict enough to notice a mistake (a misspelt key of a job).
+    broken = load_workflow(name)
+    broken["jobs"]["bake"]["need"] = "x"
+    with pytest.raises(jsonschema.ValidationError):
+        jsonschema.validate(broken, schema)
+
+
+def load_bake_job() -> list[dict]:
+    return list(yaml.safe_load_all((ROOT / "examples/kubernetes/bake-job.yaml").read_text()))
+
+
+def test_kubernetes_bake_job_validates_against_the_schema() -> None:
+    import kubernetes_validate
+
+    docs = load_bake_job()
+    for doc in docs:
+        kubernetes_validate.validate(doc, "1.33.0", strict=True)
+    assert [d["kind"] for d in docs].count("Job") == 2
+
+
+def test_kubernetes_bake_job_wiring(tmp_path: Path, write_spec, cli) -> None:
+    """An Indexed Job of N shards of the served spec on GPUs, pushing to the volume the merge Job
+    reads, which waits for it, merges all N, signs and pushes to the repository deployment.yaml
+    restores from. Each shard's `kiln bake` line is run here up to the compile (torch blocked)."""
+    from kiln.spec import load_spec
+
+    docs = {(d["kind"], d["metadata"]["name"]): d for d in load_bake_job()}
+    bake, merge = docs[("Job", "tiny-gpt-bake")], docs[("Job", "tiny-gpt-merge")]
+    spec = bake["spec"]
+    assert spec["completionMode"] == "Indexed"
+    count = spec["completions"]
+    assert spec["parallelism"] == count
+    pod = spec["template"]["spec"]
+    (container,) = pod["containers"]
+    env = {e["name"]: e["value"] for e in container["env"]}
+    assert int(env["SHARDS"]) == count
+    assert container["resources"]["limits"]["nvidia.com/gpu"] == 1
+    assert pod["securityContext"]["runAsUser"] == 1000 and env["TMPDIR"]
+    script = container["args"][0]
+    assert "--shard $(JOB_COMPLETION_INDEX)/$(SHARDS)" in script
+    served = re.search(r"kiln bake (\S+)", script).group(1)
+    pod_spec = load_deployment()["spec"]["template"]["spec"]
+    assert served in pod_spec["containers"][0]["args"][0]  # the spec the Deployment serves
+    local = ROOT / served.removeprefix("/app/")
+    assert len(expand(load_spec(local))) >= count  # every shard gets a bucket
+    # The shard lines as the kubelet expands them, run up to the compile: each is accepted.
+    for index in (0, count - 1):
+        line = script.replace("$(JOB_COMPLETION_INDEX)", str(index))
+        line = line.replace("$(SHARDS)", str(count)).replace("$(RELEASE)", env["RELEASE"])
+        assert f"--shard {index}/{count}" in line
+    bad = cli("bake", local, "--shard", f"{count}/{count}", no_torch=True)
+    assert bad.returncode == 2  # one past the last index: exit 2, nothing compiled
+    push_to = re.search(r"kiln push \S+ (\S+)", script).group(1)
+    shards_mount = next(m for m in container["volumeMounts"] if m["name"] == "shards")
+    assert push_to.startswith(shards_mount["mountPath"] + "/")
+
+    mpod = merge["spec"]["template"]["spec"]
+    (wait,) = mpod["initContainers"]
+    assert "job/tiny-gpt-bake" in wait["args"] and "--for=condition=complete" in wait["args"]
+    role = docs[("Role", "tiny-gpt-merge")]
+    assert role["rules"][0]["resourceNames"] == ["tiny-gpt-bake"]
+    assert (
+        docs[("RoleBinding", "tiny-gpt-merge")]["subjects"][0]["name"] == mpod["serviceAccountName"]
+    )
+    (mc,) = mpod["containers"]
+    assert int({e["name"]: e["value"] for e in mc["env"]}["SHARDS"]) == count
+    mscript = mc["args"][0]
+    order = [mscript.index(w) for w in ("kiln merge", "kiln sign", "kiln push")]
+    assert order == sorted(order)
+    assert "--partial" not in mscript  # every shard or nothing
+    volumes = {v["name"]: v for v in mpod["volumes"]}
+    claim = volumes["shards"]["persistentVolumeClaim"]["claimName"]
+    assert (
+        claim
+        == {v["name"]: v for v in pod["volumes"]}["shards"]["persistentVolumeClaim"]["claimName"]
+    )
+    assert docs[("PersistentVolumeClaim", claim)]["spec"]["accessModes"] == ["ReadWriteMany"]
+    restored = pod_spec["initContainers"][0]["args"][1]  # oci://…/tiny-gpt-cache@sha256:…
+    assert f"kiln push tiny-gpt.kiln.tar.zst {restored.split('@')[0]}:" in mscript
+    assert mc["image"] == pod_spec["initContainers"][0]["image"]  # kiln:restore: no torch
+
+
+def test_ci_matrix_tells_the_same_story() -> None:
+    """The sharded workflow: a matrix over every shard index, a merge job that needs it and
+    hands on the outputs the single-job workflow's bake hands on, and the same image job."""
+    main, sharded = load_workflow(WORKFLOWS[0]), load_workflow(WORKFLOWS[1])
+    assert {k: v for k, v in sharded["env"].items() if k != "SHARDS"} == main["env"]
+    assert sharded["on"] == main["on"]
+    shard_job, bake_job = sharded["jobs"]["shard"], sharded["jobs"]["bake"]
+    count = int(sharded["env"]["SHARDS"])
+    assert shard_job["strategy"]["matrix"]["shard"] == list(range(count))
+    assert shard_job["runs-on"] == bake_job["runs-on"] == main["jobs"]["bake"]["runs-on"]
+    bake_line = next(s["run"] for s in shard_job["steps"] if "kiln bake" in s.get("run", ""))
+    assert '--shard "${{ matrix.shard }}/$SHARDS"' in bake_line
+    upload = next(s for s in shard_job["steps"] if "upload-artifact" in s.get("uses", ""))
+    assert upload["with"]["path"] in bake_line
+    assert bake_job["needs"] == "shard"
+    runs = [s.get("run", "") for s in bake_job["steps"]]
+    order = [
+        next(i for i, r in enumerate(runs) if w in r)
+        for w in ("kiln merge", "kiln sign", "kiln restore", "kiln verify", "kiln push")
+    ]
+    assert order == sorted(order)
+    assert "--partial" not in " ".join(runs)
+    assert bake_job["outputs"] == main["jobs"]["bake"]["outputs"]
+    assert sharded["jobs"]["image"] == main["jobs"]["image"]
+    main_push = next(s for s in main["jobs"]["bake"]["steps"] if s.get("id") == "push")
+    assert next(s for s in bake_job["steps"] if s.get("id") == "push") == main_push

@@ -17,7 +17,8 @@ def test_import_kiln_cli_without_torch() -> None:
     code = (
         NO_TORCH
         + "import kiln, kiln.cli, kiln.artifact.restore, kiln.artifact.archive, "
-        + "kiln.artifact.attestation, kiln.artifact.keys, kiln.cli.sign; print('ok')"
+        + "kiln.artifact.attestation, kiln.artifact.keys, kiln.cli.sign, kiln.artifact.merge, "
+        + "kiln.artifact.blobs, kiln.artifact.payload, kiln.factors, kiln.cli.merge; print('ok')"
     )
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
     assert proc.returncode == 0, proc.stderr

@@ -14,6 +14,7 @@ from __future__ import annotations
 from kiln._version import __version__
 from kiln.artifact.archive import read_manifest
 from kiln.artifact.attestation import sign
+from kiln.artifact.merge import MergeResult, merge
 from kiln.artifact.restore import RestoreResult, restore
 from kiln.artifact.storage import push
 from kiln.compiler.activate import activate
@@ -26,6 +27,7 @@ from kiln.spec import load_spec
 
 __all__ = [
     "BakeResult",
+    "MergeResult",
     "RestoreResult",
     "__version__",
     "activate",
@@ -34,6 +36,7 @@ __all__ = [
     "check",
     "fingerprint",
     "load_spec",
+    "merge",
     "push",
     "read_manifest",
     "restore",

@@ -8,7 +8,9 @@ verify reports and bench tables can name them across processes and machines. Tor
 from __future__ import annotations
 
 import itertools
+import math
 import random
+import re
 from collections.abc import Sequence
 from dataclasses import dataclass
 from enum import Enum
@@ -89,3 +91,107 @@ def rotations(buckets: list[Bucket], count: int) -> list[list[Bucket]]:
         out.append(buckets[start:] + buckets[:start])
         start += step
     return out[:count]
+
+
+# --- shards: one grid baked by several machines --------------------------------------------
+SHARD_PATTERN = re.compile(r"^(\d{1,9})/(\d{1,9})$")
+
+
+@dataclass(frozen=True)
+class Shard:
+    """Slice ``index`` (0-based) of ``count``: ``kiln bake --shard I/N``.
+
+    0-based because a Kubernetes Indexed Job hands each pod ``JOB_COMPLETION_INDEX`` from 0, so
+    ``--shard $(JOB_COMPLETION_INDEX)/N`` needs no arithmetic in a shell.
+    """
+
+    index: int
+    count: int
+
+    def __post_init__(self) -> None:
+        if self.count < 1:
+            raise UsageError(f"--shard {self}: the shard count must be at least 1")
+        if not 0 <= self.index < self.count:
+            raise UsageError(
+                f"--shard {self}: the index counts from 0, so it is at most {self.count - 1}"
+            )
+
+    def __str__(self) -> str:
+        return f"{self.index}/{self.count}"
+
+    @property
+    def suffix(self) -> str:
+        """``.shard-1-of-3``: in a shard's default artifact name."""
+        return f".shard-{self.index}-of-{self.count}"
+
+    @classmethod
+    def parse(cls, text: str) -> Shard:
+        """``I/N`` as the command line gives it; anything else is exit 2, one line."""
+        match = SHARD_PATTERN.match(text.strip())
+        if not match:
+            raise UsageError(f"--shard {text!r}: expected INDEX/COUNT, e.g. 0/3 (0-based)")
+        return cls(int(match.group(1)), int(match.group(2)))
+
+    @classmethod
+    def of(cls, value: Shard | tuple[int, int] | str) -> Shard:
+        """What the library takes: a :class:`Shard`, ``(index, count)`` or ``"I/N"``."""
+        if isinstance(value, Shard):
+            return value
+        if isinstance(value, str):
+            return cls.parse(value)
+        index, count = value
+        return cls(int(index), int(count))
+
+
+def bucket_cost(bucket: Bucket) -> int:
+    """How much a bucket's warmup calls and autotuning cost, relative to the others: its size
+    (the product of its axis sizes; fixed dimensions are the same for every bucket)."""
+    return math.prod(size for _, size in bucket.sizes)
+
+
+def assign_shards(buckets: list[Bucket], count: int) -> dict[str, int]:
+    """Every bucket's shard: balanced, and the same on every machine (it depends on the grid only).
+
+    Each static bucket is a whole compile, and that fixed cost dominates (on CPU a bucket's
+    compile time hardly depends on its size), so shards first get equal numbers of buckets (±1);
+    among shards with as many, the bucket goes to the one with the least total size, so the
+    larger shapes (which warm up and autotune longer) are spread out. Buckets are dealt largest
+    first (ties by key), shards tie by index: no set or dict order, no machine state.
+    """
+    if count > len(buckets):
+        raise UsageError(
+            f"{count} shards for a grid of {len(buckets)} bucket(s): a shard would be empty; "
+            f"use at most {len(buckets)} shards"
+        )
+    loads = [(0, 0)] * count  # (buckets, total size) per shard
+    out: dict[str, int] = {}
+    for bucket in sorted(buckets, key=lambda b: (-bucket_cost(b), b.key)):
+        shard = min(range(count), key=lambda i: (loads[i], i))
+        n, size = loads[shard]
+        loads[shard] = (n + 1, size + bucket_cost(bucket))
+        out[bucket.key] = shard
+    return out
+
+
+def shard_buckets(buckets: list[Bucket], shard: Shard) -> list[Bucket]:
+    """The buckets ``shard`` bakes, in grid order. Every bucket is in exactly one shard."""
+    assignment = assign_shards(buckets, shard.count)
+    return [b for b in buckets if assignment[b.key] == shard.index]
+
+
+def shard_grid(spec: Spec, buckets: list[Bucket], shard: Shard) -> list[Bucket]:
+    """The slice of ``buckets`` (``spec``'s grid) that ``shard`` bakes; exit 2 where sharding
+    cannot give what one process would.
+
+    Only static shapes (``dynamic: false``) split: each bucket is then its own graph, whoever
+    compiles it. With automatic or forced dynamic shapes a process's graphs (and the PGO profile
+    it writes) depend on every shape it has seen, so shards would bake graphs a single process
+    never serves, and their profiles would collide in ``kiln merge``.
+    """
+    if spec.compile.dynamic is not False:
+        raise UsageError(
+            f"--shard {shard}: sharding needs compile.dynamic: false (this spec has "
+            f"{spec.compile.dynamic}): with dynamic shapes a process's graphs depend on every "
+            "shape it saw"
+        )
+    return shard_buckets(buckets, shard)

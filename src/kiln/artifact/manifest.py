@@ -219,6 +219,45 @@ class PassStats(_Model):
     wall_s: float
 
 
+MAX_SHARDS = 4096  # a shard holds at least one bucket, and a spec at most 4,096 (kiln.spec)
+
+
+class ShardInfo(_Model):
+    """Which slices of its spec's grid an artifact holds (``kiln bake --shard I/N``, merge).
+
+    A shard's bake records its one index; a merge the union of its inputs'. ``complete`` says
+    that every index of ``count`` is there, i.e. the whole grid (``kiln.grid.assign_shards``
+    deals every bucket to exactly one index). Stored rather than derived so a reader of the
+    JSON sees it, and checked here so it never disagrees with the indexes.
+    """
+
+    count: int = Field(ge=1, le=MAX_SHARDS)
+    indexes: list[int] = Field(min_length=1, max_length=MAX_SHARDS)
+    complete: bool = False
+
+    @model_validator(mode="after")
+    def _consistent(self) -> ShardInfo:
+        if self.indexes != sorted(set(self.indexes)):
+            raise ValueError("shard indexes must be sorted and unique")
+        if self.indexes[0] < 0 or self.indexes[-1] >= self.count:
+            raise ValueError(f"shard indexes must be between 0 and {self.count - 1}")
+        if self.complete != (len(self.indexes) == self.count):
+            raise ValueError("shard.complete disagrees with the indexes")
+        return self
+
+    @classmethod
+    def of(cls, count: int, indexes: list[int]) -> ShardInfo:
+        unique = sorted(set(indexes))
+        return cls(count=count, indexes=unique, complete=len(unique) == count)
+
+    @property
+    def label(self) -> str:
+        """``1/3``, ``0,2/3`` or ``0-2/3 (complete)``: how inspect and errors name it."""
+        if self.complete and self.count > 1:
+            return f"0-{self.count - 1}/{self.count} (complete)"
+        return f"{','.join(map(str, self.indexes))}/{self.count}"
+
+
 class Manifest(_Model):
     format: int = Field(default=FORMAT_VERSION, ge=1)
     kiln_version: str = __version__
@@ -247,6 +286,8 @@ class Manifest(_Model):
     warnings: list[str] = Field(default_factory=list)  # what the bake could not settle
     graph_breaks: list[GraphBreak] = Field(default_factory=list, max_length=MAX_GRAPH_BREAKS)
     proof: ProofStats | None = None  # None: the bake was not proven (--no-prove, older kilns)
+    # The slices of the grid this artifact holds (None: the whole grid, baked in one process).
+    shard: ShardInfo | None = None
 
     @field_validator("name")
     @classmethod

@@ -57,24 +57,37 @@ def bake_cmd(
         help="Also write OUT.intoto.jsonl, signed provenance (PEM key path, env:NAME or fd:N; "
         "needs the sign extra).",
     ),
+    shard: str = typer.Option(
+        None,
+        "--shard",
+        metavar="I/N",
+        help="Bake only slice I (0-based) of N of the grid, e.g. $(JOB_COMPLETION_INDEX)/4; "
+        "combine the N artifacts with `kiln merge`.",
+    ),
     json_: bool = JSON,
     quiet: bool = QUIET,
 ) -> None:
     """Compile SPEC's grid in an isolated cache root and write a deterministic artifact."""
     from kiln.compiler.bake import bake
+    from kiln.grid import Shard
     from kiln.spec import load_spec
 
     o = Output(json_, quiet)
+    sliced = Shard.parse(shard) if shard is not None else None  # exit 2 before the spec loads
     parsed = load_spec(spec)
-    target = out or Path(f"{parsed.name}.kiln.tar.zst")
+    suffix = sliced.suffix if sliced is not None else ""
+    target = out or Path(f"{parsed.name}{suffix}.kiln.tar.zst")
     signing = _signing_key(sign_key)  # before compiling: a bad key costs a second, not a bake
     with o.progress() as sink:
-        result = bake(parsed, target, passes=passes, prove=prove, strict=strict, on_event=sink)
+        result = bake(
+            parsed, target, passes=passes, prove=prove, strict=strict, on_event=sink, shard=sliced
+        )
     signed = _sign(result, signing) if signing is not None else None
 
     def human(c: Console) -> None:
         m = result.manifest
-        print_table(c, bucket_table(m.grid, f"{m.name}: {len(m.grid)} buckets baked"))
+        where = f" (shard {m.shard.label})" if m.shard is not None else ""
+        print_table(c, bucket_table(m.grid, f"{m.name}: {len(m.grid)} buckets baked{where}"))
         if m.graph_breaks:
             print_table(c, graph_break_table(m.graph_breaks))
         c.print(plain(proof_line(m)))
@@ -90,6 +103,8 @@ def bake_cmd(
     for warning in result.manifest.warnings:
         o.warn(warning)
     summary = result.summary()
+    if result.manifest.shard is not None:
+        summary["shard"] = result.manifest.shard.model_dump()
     if signed is not None:
         summary["attestation"] = str(signed.attestation)
     o.emit(summary, human)

@@ -210,7 +210,8 @@ def manifest_view(console: Console, m: Manifest, digest: str | None = None) -> N
         args = ", ".join(f"{k}={v!r}" for k, v in m.compile_kwargs.items())
         console.print(plain(f"serve with torch.compile({args})"))
     print_table(console, fingerprint_table(m.fingerprint, "baked on"))
-    print_table(console, bucket_table(m.grid, f"grid: {len(m.grid)} buckets"))
+    shard = f" (shard {m.shard.label})" if m.shard is not None else ""
+    print_table(console, bucket_table(m.grid, f"grid: {len(m.grid)} buckets{shard}"))
     if m.graph_breaks:
         print_table(console, graph_break_table(m.graph_breaks))
     console.print(plain(proof_line(m)))

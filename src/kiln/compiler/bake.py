@@ -27,14 +27,21 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from kiln.artifact.archive import sha256_file, source_date_epoch, write_artifact
-from kiln.artifact.manifest import MAX_GRAPH_BREAKS, GraphBreak, Manifest, PassStats, ProofStats
+from kiln.artifact.manifest import (
+    MAX_GRAPH_BREAKS,
+    GraphBreak,
+    Manifest,
+    PassStats,
+    ProofStats,
+    ShardInfo,
+)
 from kiln.compiler.capture import capture, payload_sha256
 from kiln.compiler.dynamo_log import merge_breaks
 from kiln.compiler.launch import WorkerRun, run_worker
 from kiln.compiler.protocol import WorkerRequest, input_stream
 from kiln.errors import UsageError, VerificationError
 from kiln.events import Capturing, EventSink, Packed, Packing, PassStarted, Proving, ignore
-from kiln.grid import Bucket, expand, ordered, rotations
+from kiln.grid import Bucket, Shard, expand, ordered, rotations, shard_grid
 from kiln.serving import (
     INDUCTOR_DIR,
     MEGACACHE_NAME,
@@ -90,6 +97,7 @@ def bake(
     strict: bool = False,
     on_event: EventSink | None = None,
     keep_workdir: Path | None = None,
+    shard: Shard | tuple[int, int] | str | None = None,
 ) -> BakeResult:
     """Compile ``spec``'s grid and write a deterministic artifact to ``out``.
 
@@ -101,18 +109,25 @@ def bake(
 
     Nothing is written at ``out`` unless the whole bake succeeds. ``keep_workdir`` moves the
     bake's cache folder there instead of removing it (bench starts its stock modes from it).
+    ``shard`` (``Shard(i, n)``, ``(i, n)`` or ``"i/n"``) bakes only that slice of the grid
+    (:func:`kiln.grid.shard_buckets`); ``kiln merge`` combines the shards' artifacts.
     """
     spec = spec if isinstance(spec, Spec) else load_spec(spec)
     out = Path(out)
     buckets = expand(spec)
     if not buckets:
         raise UsageError("the grid is empty after `exclude`")
+    sliced = Shard.of(shard) if shard is not None else None
+    if sliced is not None:
+        buckets = shard_grid(spec, buckets, sliced)
     if passes is not None and not 1 <= passes <= MAX_PASSES:
         raise UsageError(f"passes must be between 1 and {MAX_PASSES}")
     emit = on_event or ignore
     t0 = time.time()
+    # Shards too bake in the one workdir of their spec's name: torch writes that path into
+    # native objects, so shards baked elsewhere would collide in `kiln merge` (exit 3).
     with _stable_workdir(spec.name) as work:
-        baker = _Baker(spec, buckets, work, emit)
+        baker = _Baker(spec, buckets, work, emit, shard=sliced)
         baker.compile_passes(passes)
         manifest = baker.manifest()
         if prove:
@@ -155,6 +170,7 @@ class _Baker:
     buckets: list[Bucket]
     work: Path
     emit: EventSink
+    shard: Shard | None = None
     runs: list[WorkerRun] = field(default_factory=list)
     pass_stats: list[PassStats] = field(default_factory=list)
 
@@ -213,7 +229,10 @@ class _Baker:
         files = capture(work / INDUCTOR_DIR, work / MEGACACHE_NAME, work / PRECOMPILED_NAME)
         warnings = _warnings(self.runs, self.pass_stats, proof, proof_warning)
         runs, stats = self.runs, self.pass_stats
-        return _manifest(self.spec, self.buckets, runs, stats, files, warnings, proof)
+        manifest = _manifest(self.spec, self.buckets, runs, stats, files, warnings, proof)
+        if self.shard is not None:
+            manifest.shard = ShardInfo.of(self.shard.count, [self.shard.index])
+        return manifest
 
     def prove(self, manifest: Manifest, *, strict: bool) -> Manifest:
         """Serve the packed artifact from a fresh process, restored at another path, in a new
@@ -250,8 +269,10 @@ class _Baker:
     def _new_order_seed(self, seed: int) -> int:
         """A shuffle seed whose order no pass used yet (when the grid has one to give)."""
         used = {tuple(p.order) for p in self.pass_stats}
+        mine = set(self.buckets)
+        grid = [b for b in expand(self.spec) if b in mine]  # as verify() orders them
         for candidate in range(seed, seed + 50):
-            if tuple(b.key for b in ordered(self.buckets, "shuffle", candidate)) not in used:
+            if tuple(b.key for b in ordered(grid, "shuffle", candidate)) not in used:
                 return candidate
         return seed
 
@@ -267,7 +288,10 @@ class _Baker:
             write_artifact(staged, manifest, self.work)
             restore(staged, proof_dir)
             seed = self._new_order_seed(PROOF_SEED + 100 * attempt)
-            report = verify(self.spec, proof_dir, order="shuffle", seed=seed, on_event=self.emit)
+            keys = [b.key for b in self.buckets]  # a shard proves its own slice
+            report = verify(
+                self.spec, proof_dir, order="shuffle", seed=seed, keys=keys, on_event=self.emit
+            )
         finally:
             staged.unlink(missing_ok=True)
             shutil.rmtree(proof_dir, ignore_errors=True)

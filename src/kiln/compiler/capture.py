@@ -8,12 +8,16 @@ Torch-free.
 
 from __future__ import annotations
 
-import hashlib
 import os
 from pathlib import Path, PurePosixPath
 
 from kiln.artifact.archive import sha256_file
 from kiln.artifact.manifest import FileEntry, Manifest
+from kiln.artifact.payload import BUNDLED_KINDS as BUNDLED_KINDS
+from kiln.artifact.payload import MEASURED_KINDS as MEASURED_KINDS
+from kiln.artifact.payload import payload_diff as payload_diff
+from kiln.artifact.payload import payload_lines as payload_lines
+from kiln.artifact.payload import payload_sha256 as payload_sha256
 from kiln.serving import INDUCTOR_DIR, MEGACACHE_NAME, PRECOMPILED_NAME
 
 _SKIP_DIRS = frozenset({"locks", "__pycache__"})
@@ -89,50 +93,8 @@ def snapshot(cache_root: Path) -> set[str]:
     return out
 
 
-# --- reproducibility ------------------------------------------------------------------------
-# Two bakes of one spec on one machine write the same cache keys and byte-identical generated
-# code (.py/.cpp, and .so: the compiler is deterministic), but torch pickles measurements into its
-# FX and AOTAutograd entries (compile time in ns, a function's memory address in a debug line,
-# a tensor pointer in the repro script), and each entry's file name is a hash of those bytes.
-# The Mega-Cache blob bundles the same entries. So the artifact digest differs per bake; the
-# payload digest below leaves out exactly those bytes and keeps everything else.
-MEASURED_KINDS = frozenset({"fxgraph", "aotautograd"})  # compared by cache key, not by bytes
-BUNDLED_KINDS = frozenset({"megacache"})  # re-packs the measured entries: left out
-
-
-def payload_lines(files: list[FileEntry]) -> list[str]:
-    """What a reproducible bake must reproduce, one sorted line per file.
-
-    A measured entry contributes its cache key (its folder: the hash of graph, inputs, config
-    and environment) and not its file name or bytes; every other file its path and digest.
-    """
-    lines: set[str] = set()
-    for entry in files:
-        if entry.kind in BUNDLED_KINDS:
-            continue
-        if entry.kind in MEASURED_KINDS:
-            lines.add(f"{entry.kind} key {PurePosixPath(entry.path).parent.as_posix()}")
-        else:
-            lines.add(f"{entry.kind} {entry.path} {entry.sha256}")
-    return sorted(lines)
-
-
-def payload_sha256(files: list[FileEntry]) -> str:
-    """One digest of :func:`payload_lines`: equal for two bakes that compiled the same thing
-    (the same cache keys and byte-identical code), whatever their timings were."""
-    text = "".join(line + "\n" for line in payload_lines(files))
-    return hashlib.sha256(text.encode()).hexdigest()
-
-
-def payload_diff(a: list[FileEntry], b: list[FileEntry]) -> list[str]:
-    """What differs between two artifacts' payloads, one line per file: ``-`` only in the
-    first, ``+`` only in the second (a changed file shows as both). Empty: reproduced."""
-    left, right = set(payload_lines(a)), set(payload_lines(b))
-    return [f"- {line}" for line in sorted(left - right)] + [
-        f"+ {line}" for line in sorted(right - left)
-    ]
-
-
+# --- reproducibility: the payload digest lives in kiln.artifact.payload (kiln merge needs it
+# without torch); re-exported here, where bake and the reproducibility check import it.
 # What a second bake must reproduce besides the payload: every manifest field but the
 # measurements (created, grid timings, pass wall times, totals) and the file list (compared above).
 _COMPARED_FIELDS = (

@@ -4,7 +4,8 @@ Torch's cache keys silently fold in the torch build, Triton, CUDA, the GPU, the 
 whole Inductor config and some environment variables. A pod that differs in any of them
 recompiles without a word. We record each factor separately (not one opaque hash) so that
 ``kiln check`` can *name* what differs and say whether it causes misses — ccache's "explain
-yourself" standard. ``collect()`` needs torch; ``compare()`` is torch-free.
+yourself" standard. :func:`fingerprint` needs torch; comparing two fingerprints is torch-free
+and lives in :mod:`kiln.factors` (re-exported here), so ``kiln merge`` can judge shards without it.
 """
 
 from __future__ import annotations
@@ -12,9 +13,13 @@ from __future__ import annotations
 import json
 import os
 import platform
-from dataclasses import asdict, dataclass
 from typing import Any
 
+from kiln.factors import INFO_FACTORS as INFO_FACTORS  # re-exported: imported from here
+from kiln.factors import KEY_FACTORS as KEY_FACTORS
+from kiln.factors import Factor as Factor
+from kiln.factors import compare as compare
+from kiln.factors import misses as misses
 from kiln.serving import CACHE_LOCATION_VARS
 
 # Environment that changes compiled code or cache keys. Cache *locations* are excluded on
@@ -30,25 +35,6 @@ _ENV_IGNORED = CACHE_LOCATION_VARS | frozenset(
         "TORCHINDUCTOR_FORCE_DISABLE_CACHES",  # reported separately: it disables every hit
     }
 )
-
-# Factors torch folds into its cache keys: a difference means misses.
-KEY_FACTORS = (
-    "torch.version",
-    "torch.git",
-    "torch.key",
-    "torch.cuda",
-    "triton.version",
-    "triton.key",
-    "gpu.name",
-    "gpu.capability",
-    "device.index",
-    "cpu.isa",
-    "flags.deterministic",
-    "flags.matmul_precision",
-    "flags.allow_tf32",
-)
-# Factors that do not enter the keys but explain other trouble.
-INFO_FACTORS = ("python", "platform", "gpu.driver", "cpu.model", "gpu.count")
 
 
 def relevant_env(environ: dict[str, str] | None = None) -> dict[str, str]:
@@ -159,90 +145,3 @@ def _driver_version() -> str | None:
         return parts[0] if parts else None
     except OSError:
         return None
-
-
-@dataclass(frozen=True)
-class Factor:
-    name: str
-    baked: Any
-    here: Any
-    matches: bool
-    causes_miss: bool
-    note: str = ""
-
-    def to_dict(self) -> dict[str, Any]:
-        return asdict(self)
-
-
-_NOTES = {
-    "torch.version": "torch version is in every cache key",
-    "torch.git": "a different torch build: every key changes",
-    "torch.key": "torch's source hash differs (rebuilt or patched torch): every key changes",
-    "torch.cuda": "CUDA runtime of the torch build is in the FX graph key",
-    "triton.version": "Triton version is in the kernel and FX graph keys",
-    "triton.key": "Triton's source hash differs: kernels recompile",
-    "gpu.name": "the GPU model is in the FX graph key: bake on the serving GPU",
-    "gpu.capability": "kernels are compiled for one compute capability",
-    "device.index": "the device index (cuda:N) is in the input metadata of the FX key: "
-    "bake on cuda:0 and serve with one visible GPU per process",
-    "cpu.isa": "C++ kernels are built for the picked vector ISA",
-    "flags.deterministic": "deterministic-algorithms flag is in the FX key",
-    "flags.matmul_precision": "float32 matmul precision is in the FX key",
-    "flags.allow_tf32": "TF32 setting is in the FX key",
-    "python": "harmless if the torch build matches (a new Python usually means a new wheel)",
-    "gpu.driver": "not in torch's keys; newer drivers load older cubins",
-}
-
-
-def compare(baked: dict[str, Any], here: dict[str, Any]) -> list[Factor]:
-    """Factor-by-factor comparison; only factors present in both sides are judged."""
-    factors: list[Factor] = []
-    for name in (*KEY_FACTORS, *INFO_FACTORS):
-        if name not in baked and name not in here:
-            continue
-        b, h = baked.get(name), here.get(name)
-        if name not in baked or name not in here:
-            # One side did not record it (e.g. keys=False): say so, never guess a match.
-            factors.append(Factor(name, b, h, True, False, "not recorded on one side"))
-            continue
-        same = b == h
-        factors.append(
-            Factor(name, b, h, same, (not same) and name in KEY_FACTORS, _NOTES.get(name, ""))
-        )
-    b_ind, h_ind = baked.get("inductor", {}), here.get("inductor", {})
-    for key in sorted(set(b_ind) | set(h_ind)):
-        if b_ind.get(key) != h_ind.get(key) and key in b_ind and key in h_ind:
-            factors.append(
-                Factor(
-                    f"inductor.{key}",
-                    b_ind.get(key),
-                    h_ind.get(key),
-                    False,
-                    True,
-                    "the whole Inductor config is in the FX graph key",
-                )
-            )
-    b_env, h_env = baked.get("env", {}), here.get("env", {})
-    for key in sorted(set(b_env) | set(h_env)):
-        if b_env.get(key) != h_env.get(key):
-            # Env vars act through Inductor/Dynamo config or cache tags: assume they matter.
-            factors.append(
-                Factor(
-                    f"env.{key}",
-                    b_env.get(key),
-                    h_env.get(key),
-                    False,
-                    _env_causes_miss(key),
-                    "compile-time environment differs",
-                )
-            )
-    return factors
-
-
-def _env_causes_miss(key: str) -> bool:
-    # CUDA_VISIBLE_DEVICES only renumbers GPUs; what counts is the index, judged as device.index.
-    return key.startswith(("TORCHINDUCTOR_", "TORCH_COMPILE_", "TORCHDYNAMO_", "TRITON_"))
-
-
-def misses(factors: list[Factor]) -> list[Factor]:
-    return [f for f in factors if f.causes_miss]

@@ -151,15 +151,18 @@ def verify(
     seed: int = 0,
     device_index: int = 0,
     ready_file: str | Path | None = None,
+    keys: Sequence[str] | None = None,
     on_event: EventSink | None = None,
 ) -> VerifyReport:
-    """Run ``spec``'s grid against the restored folder ``cache`` in a fresh process."""
+    """Run ``spec``'s grid (only the buckets ``keys`` names, when given: a shard's slice)
+    against the restored folder ``cache`` in a fresh process."""
     spec = spec if isinstance(spec, Spec) else load_spec(spec)
     cache = Path(cache).absolute()
     if not (cache / INDUCTOR_DIR).is_dir():
         raise NotFoundError(f"{cache}: no {INDUCTOR_DIR}/ folder (restore an artifact there first)")
     manifest = read_manifest(cache)
-    order_keys = [b.key for b in ordered(expand(spec), order, seed)]
+    grid = [b for b in expand(spec) if keys is None or b.key in keys]
+    order_keys = [b.key for b in ordered(grid, order, seed)]
     request = served_request(cache, manifest, order_keys, spec.warmup.calls).replace(
         fingerprint=True,
         device_index=device_index,

@@ -1,0 +1,454 @@
+"""``kiln merge``: the artifacts of a sharded bake, combined into the one a single process bakes.
+
+``kiln bake --shard I/N`` bakes a slice of the grid on each of N machines (an Indexed Job, a CI
+matrix); merging is then cheap because the caches are content addressed, as Bazel's remote cache
+is: an entry's path is a hash of what it holds, so shards write disjoint files, and a file two
+shards both compiled (a kernel shared by buckets) is the same bytes at the same path, stored once.
+Everything is decided from the manifests before a byte of payload is unpacked:
+
+- one spec (``spec_sha256``, model source, compile arguments; exit 2) and one environment (every
+  fingerprint factor in torch's cache keys; exit 5, naming it, as ``kiln check`` words it);
+- shards of one count, each index once, each bucket from one shard (exit 2), and every index
+  there unless ``partial`` (exit 2: a release missing buckets would compile in production);
+- two different files at one path is exit 3, naming the path and both artifacts: the shards
+  did not bake the same thing (another torch or compiler, another cache root, see below).
+
+The inputs are untrusted like any artifact: each is unpacked by the restore path's extractor
+(:func:`kiln.artifact.extract.extract`: the manifest is the allow-list, every size and sha256
+checked, bounded), then the union is packed by the same deterministic writer as a bake. The
+merged manifest's ``created`` is the latest shard's (or ``SOURCE_DATE_EPOCH``), inputs are
+ordered by shard index: the same shards in any order give the same bytes. Torch-free.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import tempfile
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Any
+
+from pydantic import ValidationError
+
+from kiln._version import __version__
+from kiln.artifact.archive import read_manifest, sha256_file, source_date_epoch, write_artifact
+from kiln.artifact.blobs import BlobFormatError, merge_megacache, merge_precompiled
+from kiln.artifact.extract import extract
+from kiln.artifact.manifest import (
+    MAX_SHARDS,
+    BucketStats,
+    FileEntry,
+    Manifest,
+    PassStats,
+    ShardInfo,
+)
+from kiln.artifact.payload import payload_sha256
+from kiln.errors import IncompatibleError, IntegrityError, UsageError
+from kiln.events import EventSink, Packed, Packing, ignore
+from kiln.factors import compare, misses
+from kiln.grid import assign_shards, expand
+from kiln.serving import MEGACACHE_NAME, PRECOMPILED_NAME
+from kiln.spec import Spec
+
+# Manifest fields one spec determines: shards that differ in one were not baked from one spec.
+_SAME_SPEC = ("name", "spec_sha256", "model_source_sha256", "compile_kwargs", "env")
+
+
+@dataclass
+class MergeResult:
+    artifact: Path
+    sha256: str
+    size: int
+    manifest: Manifest
+    inputs: list[Path]  # in shard order
+    shared_files: int  # files more than one shard held, stored once
+    wall_s: float
+    warnings: list[str] = field(default_factory=list)  # the merge's own (also in the manifest)
+
+    def summary(self) -> dict[str, Any]:
+        m = self.manifest
+        return {
+            "artifact": str(self.artifact),
+            "sha256": self.sha256,
+            "size": self.size,
+            "name": m.name,
+            "shard": m.shard.model_dump() if m.shard is not None else None,
+            "inputs": [str(p) for p in self.inputs],
+            "buckets": len(m.grid),
+            "files": len(m.files),
+            "shared_files": self.shared_files,
+            "megacache": m.megacache is not None,
+            "precompiled": m.precompiled is not None,
+            "wall_s": round(self.wall_s, 3),
+            "warnings": m.warnings,
+        }
+
+
+@dataclass
+class _Input:
+    path: Path
+    manifest: Manifest
+    shard: ShardInfo  # an unsharded bake: the whole grid, as shard 0 of 1
+
+    @property
+    def label(self) -> str:
+        return f"{self.path.name} (shard {self.shard.label})"
+
+
+def merge(
+    artifacts: Sequence[str | Path],
+    out: str | Path,
+    *,
+    partial: bool = False,
+    on_event: EventSink | None = None,
+) -> MergeResult:
+    """Combine shard artifacts into one at ``out`` (written atomically, nothing on failure)."""
+    t0 = time.time()
+    out = Path(out)
+    emit = on_event or ignore
+    if not artifacts:
+        raise UsageError("kiln merge needs the shard artifacts to combine")
+    if len(artifacts) > MAX_SHARDS:
+        raise UsageError(f"{len(artifacts)} artifacts: kiln merges at most {MAX_SHARDS}")
+    inputs = [_read(Path(a)) for a in artifacts]
+    spec = _same_spec(inputs)
+    _same_environment(inputs)
+    inputs, shard, missing = _shards(inputs, spec, partial)
+    grid = _grid(inputs, spec)
+    files, shared = _files(inputs)
+    warnings = _warnings(inputs, shard, missing, spec)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    stage = Path(tempfile.mkdtemp(prefix=".kiln-merge-", dir=out.parent))
+    try:
+        trees = _unpack(inputs, stage, emit)
+        merged = stage / "merged"
+        for entry, index in files.values():
+            _place(trees[index] / entry.path, merged / entry.path)
+        entries = [entry for entry, _ in files.values()]
+        megacache, precompiled = _blobs(inputs, trees, merged, entries, warnings)
+        manifest = _manifest(inputs, spec, grid, entries, shard, warnings, megacache, precompiled)
+        emit(Packing(total=manifest.total_bytes))
+        sha, size = write_artifact(out, manifest, merged, on_bytes=lambda n: emit(Packed(bytes=n)))
+    finally:
+        shutil.rmtree(stage, ignore_errors=True)
+    return MergeResult(
+        artifact=out,
+        sha256=sha,
+        size=size,
+        manifest=manifest,
+        inputs=[i.path for i in inputs],
+        shared_files=shared,
+        wall_s=time.time() - t0,
+        warnings=warnings,
+    )
+
+
+def _read(path: Path) -> _Input:
+    if path.is_dir():
+        raise UsageError(f"{path}: is a folder; kiln merge takes artifact files")
+    manifest = read_manifest(path)  # exit 4 missing, exit 3 not an artifact
+    return _Input(path, manifest, manifest.shard or ShardInfo.of(1, [0]))
+
+
+def _same_spec(inputs: list[_Input]) -> Spec:
+    """The one spec every input was baked from; exit 2 naming the first that differs."""
+    first = inputs[0]
+    for other in inputs[1:]:
+        for name in _SAME_SPEC:
+            a, b = getattr(first.manifest, name), getattr(other.manifest, name)
+            if a != b:
+                raise UsageError(
+                    f"{other.path.name} was baked from another spec than {first.path.name} "
+                    f"({name}: {_short(b)} vs {_short(a)}): merge the shards of one bake"
+                )
+    try:
+        spec = Spec.model_validate(first.manifest.spec)
+    except ValidationError as exc:
+        where = ".".join(str(p) for p in exc.errors()[0]["loc"])
+        raise UsageError(
+            f"{first.path.name}: its spec is not one this kiln reads ({where}): "
+            "merge with the kiln that baked it"
+        ) from None
+    if spec.sha256() != first.manifest.spec_sha256:
+        raise IntegrityError(f"{first.path.name}: the manifest's spec does not match its sha256")
+    return spec
+
+
+def _short(value: object) -> str:
+    text = json.dumps(value, sort_keys=True) if not isinstance(value, str) else value
+    return repr(text if len(text) <= 24 else text[:24] + "…")
+
+
+def _same_environment(inputs: list[_Input]) -> None:
+    """Every factor torch folds into its cache keys is the same in every shard: a merged
+    artifact is checked (``kiln check``) against one fingerprint, so it must hold for all."""
+    first = inputs[0]
+    for other in inputs[1:]:
+        differ = misses(compare(first.manifest.fingerprint, other.manifest.fingerprint))
+        if differ:
+            names = ", ".join(f"{f.name} ({f.here!r} vs {f.baked!r})" for f in differ)
+            raise IncompatibleError(
+                f"{other.path.name} was baked in another environment than "
+                f"{first.path.name}: {names}: bake every shard on one machine type and image",
+                detail={"differing": [f.to_dict() for f in differ]},
+            )
+
+
+def _shards(
+    inputs: list[_Input], spec: Spec, partial: bool
+) -> tuple[list[_Input], ShardInfo, list[int]]:
+    """Inputs in shard order, the merged :class:`ShardInfo`, and the indexes missing."""
+    count = inputs[0].shard.count
+    owner: dict[int, _Input] = {}
+    for item in inputs:
+        if item.shard.count != count:
+            raise UsageError(
+                f"{item.label} and {inputs[0].label} slice the grid differently: "
+                "merge the shards of one --shard count"
+            )
+        for index in item.shard.indexes:
+            if index in owner:
+                raise UsageError(
+                    f"shard {index}/{count} is in both {owner[index].path.name} and "
+                    f"{item.path.name}: give each shard once"
+                )
+            owner[index] = item
+    missing = [i for i in range(count) if i not in owner]
+    if missing and not partial:
+        shown = ", ".join(f"{i}/{count}" for i in missing[:8]) + (" …" if len(missing) > 8 else "")
+        raise UsageError(
+            f"shard(s) {shown} missing: pass all {count}, or --partial for an artifact "
+            "without their buckets"
+        )
+    ordered = sorted(inputs, key=lambda i: i.shard.indexes)
+    return ordered, ShardInfo.of(count, sorted(owner)), missing
+
+
+def _grid(inputs: list[_Input], spec: Spec) -> list[BucketStats]:
+    """The union of the shards' bucket stats, in grid order; each bucket from one shard, the one
+    :func:`kiln.grid.assign_shards` deals it to (so two kilns that slice differently cannot
+    leave a bucket out or bake it twice unnoticed)."""
+    buckets = expand(spec)
+    place = {b.key: i for i, b in enumerate(buckets)}
+    count = inputs[0].shard.count
+    dealt = assign_shards(buckets, count) if count <= len(buckets) else {}
+    seen: dict[str, _Input] = {}
+    for item in inputs:
+        for stats in item.manifest.grid:
+            if stats.key not in place:
+                raise IntegrityError(f"{item.label}: bucket {stats.key} is not in its spec's grid")
+            if stats.key in seen:
+                raise UsageError(
+                    f"bucket {stats.key} is in both {seen[stats.key].path.name} and "
+                    f"{item.path.name}: each bucket must come from one shard"
+                )
+            if count > 1 and dealt.get(stats.key) not in item.shard.indexes:
+                raise UsageError(
+                    f"{item.label} holds bucket {stats.key}, which this kiln deals to shard "
+                    f"{dealt.get(stats.key)}/{count}: bake every shard with one kiln version"
+                )
+            seen[stats.key] = item
+    return sorted((s for i in inputs for s in i.manifest.grid), key=lambda s: place[s.key])
+
+
+def _blob_paths(manifest: Manifest) -> set[str]:
+    return {p for p in (manifest.megacache, manifest.precompiled) if p is not None}
+
+
+def _files(inputs: list[_Input]) -> tuple[dict[str, tuple[FileEntry, int]], int]:
+    """path → (entry, index of the input it is taken from); and how many were shared.
+    Identical files are stored once; two different files at one path is exit 3."""
+    chosen: dict[str, tuple[FileEntry, int]] = {}
+    shared = 0
+    for index, item in enumerate(inputs):
+        blobs = _blob_paths(item.manifest)
+        for entry in item.manifest.files:
+            if entry.path in blobs:
+                continue
+            if entry.path in chosen:
+                first, where = chosen[entry.path]
+                if first.sha256 != entry.sha256 or first.size != entry.size:
+                    raise IntegrityError(
+                        f"{entry.path!r} differs between {inputs[where].path.name} and "
+                        f"{item.path.name}: the shards did not compile the same code (another "
+                        "torch or compiler, or another cache root: bake every shard as the "
+                        "same user with the same TMPDIR)"
+                    )
+                shared += 1
+                continue
+            chosen[entry.path] = (entry, index)
+    return dict(sorted(chosen.items())), shared
+
+
+def _warnings(inputs: list[_Input], shard: ShardInfo, missing: list[int], spec: Spec) -> list[str]:
+    out: list[str] = []
+    for item in inputs:
+        merged = len(item.shard.indexes) > 1  # a merge's warnings already say their shard
+        for warning in item.manifest.warnings:
+            line = warning if merged else f"shard {item.shard.label}: {warning}"
+            if line not in out:
+                out.append(line)
+    first = inputs[0]
+    for other in inputs[1:]:
+        for f in compare(first.manifest.fingerprint, other.manifest.fingerprint):
+            if not f.matches:
+                line = (
+                    f"shards differ in {f.name} ({f.baked!r} vs {f.here!r}), which is not in "
+                    f"torch's cache keys; the manifest records {first.path.name}'s"
+                )
+                if line not in out:
+                    out.append(line)
+    if missing:
+        baked = {s.key for i in inputs for s in i.manifest.grid}
+        absent = [b.key for b in expand(spec) if b.key not in baked]
+        out.append(
+            f"partial merge: shards {', '.join(map(str, missing))} of {shard.count} are "
+            f"missing, so {len(absent)} bucket(s) are not baked ({', '.join(absent[:6])}"
+            f"{' …' if len(absent) > 6 else ''}): serving them compiles, `kiln verify` fails"
+        )
+    return out
+
+
+def _unpack(inputs: list[_Input], stage: Path, emit: EventSink) -> list[Path]:
+    """Each input unpacked by restore's extractor into its own folder; the manifest it holds
+    must still be the one the checks above read (the file may have changed since)."""
+    trees: list[Path] = []
+    for index, item in enumerate(inputs):
+        tree = stage / f"input-{index}"
+        tree.mkdir()
+        with open(item.path, "rb") as fh:
+            unpacked = extract(fh, tree, emit)
+        if unpacked.to_bytes() != item.manifest.to_bytes():
+            raise IntegrityError(f"{item.path.name} changed while merging")
+        trees.append(tree)
+    return trees
+
+
+def _place(src: Path, dst: Path) -> None:
+    """A hard link where the filesystem allows it (the staging folders share one), else a copy."""
+    dst.parent.mkdir(parents=True, exist_ok=True)
+    try:
+        os.link(src, dst)
+    except OSError:
+        shutil.copyfile(src, dst)
+
+
+def _blobs(
+    inputs: list[_Input],
+    trees: list[Path],
+    merged: Path,
+    entries: list[FileEntry],
+    warnings: list[str],
+) -> tuple[str | None, str | None]:
+    """Merge the Mega-Cache blobs and the precompiled forwards into ``merged``; add their
+    entries. The blob goes when it cannot be merged (it is not what a server reads; say so),
+    the precompiled forwards are required (a ``precompile: true`` server loads them)."""
+    megacache: str | None = None
+    pairs = list(zip(inputs, trees, strict=True))
+    have = [(i.path.name, t / i.manifest.megacache) for i, t in pairs if i.manifest.megacache]
+    if have and len(have) == len(inputs):
+        try:
+            merge_megacache(have, merged / MEGACACHE_NAME)
+            megacache = MEGACACHE_NAME
+        except BlobFormatError as exc:
+            (merged / MEGACACHE_NAME).unlink(missing_ok=True)
+            warnings.append(f"no Mega-Cache blob in the merged artifact: {exc}")
+    elif have:
+        lacking = [i.path.name for i in inputs if not i.manifest.megacache]
+        warnings.append(
+            f"no Mega-Cache blob in the merged artifact: {', '.join(lacking)} has none "
+            "(the cache folder, which servers read, is complete)"
+        )
+    precompiled: str | None = None
+    built = [(i.path.name, t / i.manifest.precompiled) for i, t in pairs if i.manifest.precompiled]
+    if built:
+        lacking = [i.path.name for i in inputs if not i.manifest.precompiled]
+        if lacking:
+            raise IntegrityError(
+                f"{', '.join(lacking)} has no precompiled forwards and other shards do: "
+                "their buckets would compile in a precompile server"
+            )
+        try:
+            merge_precompiled(built, merged / PRECOMPILED_NAME)
+        except BlobFormatError as exc:
+            raise IntegrityError(f"cannot merge the precompiled forwards: {exc}") from None
+        precompiled = PRECOMPILED_NAME
+    for name in (megacache, precompiled):
+        if name is not None:
+            entries.append(_entry(merged / name, name))
+    entries.sort(key=lambda e: e.path)
+    return megacache, precompiled
+
+
+def _entry(path: Path, name: str) -> FileEntry:
+    kind = "megacache" if name == MEGACACHE_NAME else "precompile"  # as capture.classify says
+    return FileEntry(path=name, size=path.stat().st_size, sha256=sha256_file(path), kind=kind)
+
+
+def _created(inputs: list[_Input]) -> str:
+    """``SOURCE_DATE_EPOCH`` when set (reproducible builds), else the latest shard's time."""
+    epoch = source_date_epoch()
+    if epoch:
+        return datetime.fromtimestamp(epoch, tz=timezone.utc).isoformat(timespec="seconds")
+    times: list[tuple[datetime, str]] = []
+    for item in inputs:
+        try:
+            when = datetime.fromisoformat(item.manifest.created)
+        except ValueError:
+            raise IntegrityError(
+                f"{item.path.name}: created {_short(item.manifest.created)} is not ISO 8601"
+            ) from None
+        if when.tzinfo is None:
+            when = when.replace(tzinfo=timezone.utc)
+        times.append((when, item.manifest.created))
+    return max(times)[1]
+
+
+def _manifest(
+    inputs: list[_Input],
+    spec: Spec,
+    grid: list[BucketStats],
+    entries: list[FileEntry],
+    shard: ShardInfo,
+    warnings: list[str],
+    megacache: str | None,
+    precompiled: str | None,
+) -> Manifest:
+    first = inputs[0].manifest
+    totals: dict[str, float] = {}
+    for item in inputs:  # every total is a sum over buckets or passes, and shards are disjoint
+        for key, value in item.manifest.totals.items():
+            totals[key] = round(totals.get(key, 0.0) + value, 3)
+    passes = [PassStats.model_validate(p.model_dump()) for i in inputs for p in i.manifest.passes]
+    values: dict[str, Any] = {
+        "kiln_version": __version__,
+        "name": first.name,
+        "created": _created(inputs),
+        "spec": first.spec,
+        "spec_sha256": first.spec_sha256,
+        "model_source_sha256": first.model_source_sha256,
+        "fingerprint": first.fingerprint,
+        "env": first.env,
+        "grid": [s.model_dump() for s in grid],
+        "passes": [p.model_dump() for p in passes],
+        "totals": dict(sorted(totals.items())),
+        "files": [e.model_dump() for e in entries],
+        "megacache": megacache,
+        "precompiled": precompiled,
+        "payload_sha256": payload_sha256(entries),
+        "compile_kwargs": first.compile_kwargs,
+        "warnings": warnings,
+        "shard": shard.model_dump() if shard.count > 1 else None,
+    }
+    try:
+        return Manifest.model_validate(values)
+    except ValidationError as exc:
+        error = exc.errors(include_url=False, include_input=False)[0]
+        where = ".".join(str(p) for p in error["loc"])
+        message = str(error["msg"]).removeprefix("Value error, ")
+        raise IntegrityError(f"the merged manifest is refused: {where}: {message}") from None

@@ -1,0 +1,54 @@
+"""The payload digest: what two bakes that compiled the same thing share, timings aside.
+
+Torch-free, beside the manifest it summarizes: bake records it, ``kiln merge`` recomputes it for
+the union of its shards' files, and the reproducibility check compares it.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from pathlib import PurePosixPath
+
+from kiln.artifact.manifest import FileEntry
+
+# Two bakes of one spec on one machine write the same cache keys and byte-identical generated
+# code (.py/.cpp, and .so: the compiler is deterministic), but torch pickles measurements into its
+# FX and AOTAutograd entries (compile time in ns, a function's memory address in a debug line,
+# a tensor pointer in the repro script), and each entry's file name is a hash of those bytes.
+# The Mega-Cache blob bundles the same entries. So the artifact digest differs per bake; the
+# payload digest below leaves out exactly those bytes and keeps everything else.
+MEASURED_KINDS = frozenset({"fxgraph", "aotautograd"})  # compared by cache key, not by bytes
+BUNDLED_KINDS = frozenset({"megacache"})  # re-packs the measured entries: left out
+
+
+def payload_lines(files: list[FileEntry]) -> list[str]:
+    """What a reproducible bake must reproduce, one sorted line per file.
+
+    A measured entry contributes its cache key (its folder: the hash of graph, inputs, config
+    and environment) and not its file name or bytes; every other file its path and digest.
+    """
+    lines: set[str] = set()
+    for entry in files:
+        if entry.kind in BUNDLED_KINDS:
+            continue
+        if entry.kind in MEASURED_KINDS:
+            lines.add(f"{entry.kind} key {PurePosixPath(entry.path).parent.as_posix()}")
+        else:
+            lines.add(f"{entry.kind} {entry.path} {entry.sha256}")
+    return sorted(lines)
+
+
+def payload_sha256(files: list[FileEntry]) -> str:
+    """One digest of :func:`payload_lines`: equal for two bakes that compiled the same thing
+    (the same cache keys and byte-identical code), whatever their timings were."""
+    text = "".join(line + "\n" for line in payload_lines(files))
+    return hashlib.sha256(text.encode()).hexdigest()
+
+
+def payload_diff(a: list[FileEntry], b: list[FileEntry]) -> list[str]:
+    """What differs between two artifacts' payloads, one line per file: ``-`` only in the
+    first, ``+`` only in the second (a changed file shows as both). Empty: reproduced."""
+    left, right = set(payload_lines(a)), set(payload_lines(b))
+    return [f"- {line}" for line in sorted(left - right)] + [
+        f"+ {line}" for line in sorted(right - left)
+    ]
