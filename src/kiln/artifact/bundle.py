@@ -76,6 +76,11 @@ Text = Annotated[str, Field(min_length=1, max_length=MAX_TEXT), AfterValidator(_
 Name = Annotated[str, Field(max_length=MAX_NAME_LENGTH, pattern=NAME_PATTERN)]
 
 
+def _folded(name: str) -> str:
+    """A GPU name compared as nvidia-smi, /proc and torch may print it: case and spacing aside."""
+    return " ".join(name.split()).casefold()
+
+
 class VariantKey(BaseModel):
     """What selects a variant: the fingerprint factors of its bake that a machine must share.
 
@@ -92,7 +97,7 @@ class VariantKey(BaseModel):
 
     @property
     def key(self) -> tuple[str | None, ...]:
-        gpu = " ".join(self.gpu.split()).casefold() if self.gpu else None
+        gpu = _folded(self.gpu) if self.gpu else None
         return (self.device, gpu, self.capability, self.torch, self.cuda)
 
     def describe(self) -> str:
@@ -459,7 +464,7 @@ class Selector:
             return False
         gpu = machine.gpu
         if gpu is not None:
-            if v.gpu is None or " ".join(v.gpu.split()).casefold() != gpu.name.casefold():
+            if v.gpu is None or _folded(v.gpu) != _folded(gpu.name):
                 return False
             if gpu.capability and v.capability and gpu.capability != v.capability:
                 return False
