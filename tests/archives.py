@@ -281,3 +281,247 @@ def tree(d: Path) -> dict[str, bytes]:
     return {
         p.relative_to(d).as_posix(): p.read_bytes() for p in sorted(d.rglob("*")) if p.is_file()
     }
+
+
+# --- bundles: variants with synthetic fingerprints, and hostile bundles -------------------------
+
+CPU_FP = {"device.type": "cpu", "torch.version": "2.13.0+cpu", "torch.cuda": None}
+H200_FP = {
+    "device.type": "cuda",
+    "gpu.name": "NVIDIA H200",
+    "gpu.capability": "9.0",
+    "torch.version": "2.11.0+cu130",
+    "torch.cuda": "13.0",
+    "platform": "Linux-x86_64",
+}
+A100_FP = {**H200_FP, "gpu.name": "NVIDIA A100-SXM4-80GB", "gpu.capability": "8.0"}
+
+
+def variant_archive(
+    path: Path, fingerprint: dict[str, Any], files: dict[str, bytes] | None = None
+) -> Path:
+    """A valid artifact baked (so its manifest says) on ``fingerprint``'s machine: what real
+    GPU bakes record, edited into a CPU-made manifest (tests/archives.py builds no GPU bake)."""
+    files = files or {"inductor/fxgraph/a/entry": json.dumps(fingerprint).encode()}
+    manifest = manifest_for(files, fingerprint=fingerprint)
+    return write_archive(path, manifest, [reg(p, d) for p, d in sorted(files.items())])
+
+
+def bundle_index_for(variants: dict[str, tuple[bytes, dict[str, Any]]]) -> dict[str, Any]:
+    """``bundle.json`` for ``{name: (artifact bytes, selection fields)}``, unvalidated."""
+    return {
+        "format": 1,
+        "kind": "kiln-bundle",
+        "variants": [
+            {
+                "name": name,
+                "path": f"variants/{name}.kiln.tar.zst",
+                "sha256": hashlib.sha256(data).hexdigest(),
+                "size": len(data),
+                "artifact": "demo",
+                **key,
+            }
+            for name, (data, key) in sorted(variants.items())
+        ],
+    }
+
+
+def write_bundle_raw(
+    path: Path, index: dict[str, Any] | bytes | None, members: list[tuple[tarfile.TarInfo, bytes]]
+) -> Path:
+    """A bundle file: ``bundle.json`` (a dict or raw bytes; None: none) then ``members``."""
+    buf = io.BytesIO()
+    with tarfile.open(fileobj=buf, mode="w", format=tarfile.PAX_FORMAT) as tar:
+        if index is not None:
+            body = index if isinstance(index, bytes) else json.dumps(index).encode()
+            tar.addfile(reg("bundle.json", body)[0], io.BytesIO(body))
+        for info, data in members:
+            tar.addfile(info, io.BytesIO(data) if info.isreg() else None)
+    path.write_bytes(zstandard.ZstdCompressor().compress(buf.getvalue()))
+    return path
+
+
+CPU_KEY = {"device": "cpu", "torch": "2.13.0+cpu"}
+GPU_KEY = {"device": "cuda", "gpu": "NVIDIA H200", "capability": "9.0", "torch": "2.11.0+cu130"}
+
+
+def _artifact_bytes(tmp: Path, files: dict[str, bytes] | None = None) -> bytes:
+    return good_archive(tmp, files).read_bytes()
+
+
+def _bundle(
+    *,
+    edit: Callable[[dict[str, Any]], None] | None = None,
+    members: Callable[[dict[str, bytes]], list[tuple[tarfile.TarInfo, bytes]]] | None = None,
+    cpu_artifact: Callable[[Path], bytes] | None = None,
+) -> Callable[[Path], Path]:
+    """A builder: a cpu and a gpu variant (the cpu one is what a CPU machine restores), the
+    index changed by ``edit``, the members by ``members`` (default: each variant, in order)."""
+
+    def build(path: Path) -> Path:
+        cpu = (cpu_artifact or _artifact_bytes)(path.with_suffix(".cpu"))
+        gpu = _artifact_bytes(path.with_suffix(".gpu"), {"inductor/g": b"gpu"})
+        variants = {"cpu": (cpu, CPU_KEY), "h200": (gpu, GPU_KEY)}
+        index = bundle_index_for(variants)
+        if edit is not None:
+            edit(index)
+        blobs = {f"variants/{n}.kiln.tar.zst": d for n, (d, _) in variants.items()}
+        listed = members(blobs) if members else [reg(p, d) for p, d in sorted(blobs.items())]
+        return write_bundle_raw(path, index, listed)
+
+    return build
+
+
+def _hostile_variant(path: Path) -> bytes:
+    return BY_ID_HOSTILE["env-ld-preload"].build(path).read_bytes()
+
+
+def _nested_bundle(path: Path) -> bytes:
+    return _bundle()(path).read_bytes()
+
+
+def _index_first_missing(path: Path) -> Path:
+    data = _artifact_bytes(path.with_suffix(".cpu"))
+    index = bundle_index_for({"cpu": (data, CPU_KEY)})
+    return write_bundle_raw(
+        path,
+        None,
+        [reg("variants/cpu.kiln.tar.zst", data), reg("bundle.json", json.dumps(index).encode())],
+    )
+
+
+def _index_huge_header(path: Path) -> Path:
+    info = tarfile.TarInfo("bundle.json")
+    info.size = (1 << 20) + 1
+    return _raw(path, info.tobuf(tarfile.PAX_FORMAT))
+
+
+def _index_pax_bomb(path: Path) -> Path:
+    body = b"{}"
+    head = _header("bundle.json", len(body), comment="x" * (16 << 20))
+    return _raw(path, _tar_bytes(head, _padded(body)))
+
+
+def _too_many_variants(path: Path) -> Path:
+    variants = {
+        f"v{i}": (b"x", {"device": "cuda", "gpu": f"GPU {i}", "torch": "2.11.0"}) for i in range(65)
+    }
+    return write_bundle_raw(path, bundle_index_for(variants), [])
+
+
+def _set_cpu(**fields: Any) -> Callable[[dict[str, Any]], None]:
+    def edit(index: dict[str, Any]) -> None:
+        index["variants"][0].update(fields)
+
+    return edit
+
+
+def _twice(key_only: bool) -> Callable[[dict[str, Any]], None]:
+    def edit(index: dict[str, Any]) -> None:
+        twin = dict(index["variants"][0])
+        if key_only:
+            twin.update(name="cpu2", path="variants/cpu2.kiln.tar.zst")
+        index["variants"].append(twin)
+
+    return edit
+
+
+def _symlink_member(blobs: dict[str, bytes]) -> list[tuple[tarfile.TarInfo, bytes]]:
+    return [special("variants/cpu.kiln.tar.zst", tarfile.SYMTYPE, "/etc/passwd")]
+
+
+def _unlisted_first(blobs: dict[str, bytes]) -> list[tuple[tarfile.TarInfo, bytes]]:
+    return [reg("variants/evil.kiln.tar.zst", b"x"), *[reg(p, d) for p, d in sorted(blobs.items())]]
+
+
+def _traversal_member(blobs: dict[str, bytes]) -> list[tuple[tarfile.TarInfo, bytes]]:
+    return [reg("../../etc/cron.d/x", b"x"), *[reg(p, d) for p, d in sorted(blobs.items())]]
+
+
+def _gpu_only(blobs: dict[str, bytes]) -> list[tuple[tarfile.TarInfo, bytes]]:
+    return [reg(p, d) for p, d in sorted(blobs.items()) if "h200" in p]
+
+
+def _gpu_twice(blobs: dict[str, bytes]) -> list[tuple[tarfile.TarInfo, bytes]]:
+    gpu = [reg(p, d) for p, d in sorted(blobs.items()) if "h200" in p]
+    # the gpu variant first, twice, then the cpu one (the index order is not what is checked)
+    return [*gpu, *gpu, *[reg(p, d) for p, d in sorted(blobs.items()) if "cpu" in p]]
+
+
+def _short_member(blobs: dict[str, bytes]) -> list[tuple[tarfile.TarInfo, bytes]]:
+    return [reg(p, d[:-1] if "cpu" in p else d) for p, d in sorted(blobs.items())]
+
+
+BY_ID_HOSTILE = {h.id: h for h in HOSTILE}
+
+# Bundles every reader must refuse with exit 3 (restored on a CPU machine: the cpu variant is
+# the one chosen). ``manifest_level``: refused from the index alone (kiln inspect too).
+HOSTILE_BUNDLES: list[Hostile] = [
+    Hostile("bundle-index-not-first", _index_first_missing, "manifest.json is not the first"),
+    Hostile("bundle-index-9mib", _index_huge_header, "more than kiln reads"),
+    Hostile("bundle-index-pax-bomb", _index_pax_bomb, "header"),
+    Hostile("bundle-index-not-json", lambda p: write_bundle_raw(p, b"{nope", []), "refused"),
+    Hostile("bundle-too-many", _too_many_variants, "at most 64"),
+    Hostile(
+        "bundle-name-traversal", _bundle(edit=_set_cpu(name="../x")), "name: String should match"
+    ),
+    Hostile(
+        "bundle-path-elsewhere",
+        _bundle(edit=_set_cpu(path="../../etc/passwd")),
+        "is not 'variants/cpu.kiln.tar.zst'",
+    ),
+    Hostile("bundle-gpu-control", _bundle(edit=_set_cpu(gpu="\x1b[2J")), "control characters"),
+    Hostile("bundle-size-negative", _bundle(edit=_set_cpu(size=-1)), "greater than or equal"),
+    Hostile("bundle-name-twice", _bundle(edit=_twice(False)), "listed twice"),
+    Hostile("bundle-key-twice", _bundle(edit=_twice(True)), "same selection key"),
+    Hostile("bundle-format-zero", _bundle(edit=lambda i: i.update(format=0)), "format"),
+    Hostile("bundle-kind", _bundle(edit=lambda i: i.update(kind="tar")), "kind"),
+    Hostile(
+        "bundle-member-symlink",
+        _bundle(members=_symlink_member),
+        "not a regular file",
+        manifest_level=False,
+    ),
+    Hostile(
+        "bundle-member-unlisted",
+        _bundle(members=_unlisted_first),
+        "not in bundle.json",
+        manifest_level=False,
+    ),
+    Hostile(
+        "bundle-member-traversal",
+        _bundle(members=_traversal_member),
+        "path traversal",
+        manifest_level=False,
+    ),
+    Hostile(
+        "bundle-member-missing", _bundle(members=_gpu_only), "missing variant", manifest_level=False
+    ),
+    Hostile(
+        "bundle-member-twice", _bundle(members=_gpu_twice), "appears twice", manifest_level=False
+    ),
+    Hostile(
+        "bundle-member-size",
+        _bundle(members=_short_member),
+        "bundle.json says",
+        manifest_level=False,
+    ),
+    Hostile(
+        "bundle-sha-mismatch",
+        _bundle(edit=_set_cpu(sha256="0" * 64)),
+        "differs from the bundle index",
+        manifest_level=False,
+    ),
+    Hostile(
+        "bundle-variant-hostile",
+        _bundle(cpu_artifact=_hostile_variant),
+        "LD_PRELOAD",
+        manifest_level=False,
+    ),
+    Hostile(
+        "bundle-nested",
+        _bundle(cpu_artifact=_nested_bundle),
+        "manifest.json is not the first",
+        manifest_level=False,
+    ),
+]

@@ -21,6 +21,7 @@ from kiln.serving import ENV_NAME
 from tests.archives import (
     FILES,
     HOSTILE,
+    HOSTILE_BUNDLES,
     MARKUP,
     Hostile,
     manifest_for,
@@ -57,6 +58,44 @@ def test_read_manifest_refuses_hostile_archive(tmp_path: Path, case: Hostile) ->
     art = case.build(tmp_path / f"{case.id}.kiln.tar.zst")
     with pytest.raises(IntegrityError, match=case.match):
         read_manifest(art)
+
+
+@pytest.mark.parametrize("case", HOSTILE_BUNDLES, ids=[h.id for h in HOSTILE_BUNDLES])
+def test_restore_refuses_hostile_bundle(tmp_path: Path, installed: Path, case: Hostile) -> None:
+    """A bundle is read as rigorously as an artifact: exit 3, DEST untouched, quickly."""
+    from kiln.artifact.machine import Machine
+
+    art = case.build(tmp_path / f"{case.id}.kiln.tar.zst")
+    before = tree(installed)
+    t0 = time.monotonic()
+    with pytest.raises(IntegrityError, match=case.match):
+        restore(art, installed, machine=Machine())  # a CPU machine: the cpu variant is chosen
+    assert time.monotonic() - t0 < 5, "refused, but only after reading far too much"
+    assert tree(installed) == before
+    assert leftovers(installed) == []
+
+
+@pytest.mark.parametrize(
+    "case",
+    [h for h in HOSTILE_BUNDLES if h.manifest_level],
+    ids=[h.id for h in HOSTILE_BUNDLES if h.manifest_level],
+)
+def test_inspect_refuses_hostile_bundle(tmp_path: Path, case: Hostile) -> None:
+    from kiln.artifact.bundle import read_head
+
+    art = case.build(tmp_path / f"{case.id}.kiln.tar.zst")
+    with pytest.raises(IntegrityError, match=case.match):
+        read_head(art)
+
+
+def test_cli_hostile_bundle_is_exit_3(tmp_path: Path, installed: Path, cli) -> None:
+    by_id = {h.id: h for h in HOSTILE_BUNDLES}
+    art = by_id["bundle-gpu-control"].build(tmp_path / "evil.kiln.tar.zst")
+    for args in (("inspect", art), ("restore", art, "--dest", installed, "--variant", "cpu")):
+        r = cli(*args, no_torch=True)
+        assert r.returncode == 3, r.stderr
+        assert "Traceback" not in r.stderr
+        assert "\\x1b[2J" in r.stderr and "\x1b" not in r.stderr  # shown escaped, not obeyed
 
 
 # --- item 1: kiln.env injection through the manifest -------------------------------------------

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 import subprocess
 import sys
 import time
@@ -381,3 +382,56 @@ def _registry_json(registry: str, path: str) -> dict:
     req = urllib.request.Request(f"http://{registry}/v2/{path}", headers={"Accept": accept})
     with urllib.request.urlopen(req, timeout=10) as resp:
         return json.loads(resp.read())
+
+
+def test_oci_bundle_is_an_image_index_and_restores_the_machines_variant(
+    tmp_path: Path, registry: str, cli
+) -> None:
+    """Issue 14: a bundle pushed to a registry is an OCI image index, one manifest per variant,
+    each annotated with its GPU and torch build (and OCI platform), so registries list them;
+    restore picks from the index as from a bundle file, pinned by the index digest."""
+    from kiln.artifact.bundle import write_bundle
+    from kiln.artifact.machine import Gpu, Machine
+    from tests.archives import CPU_FP, H200_FP, variant_archive
+    from tests.test_machine import fake_smi, printing
+
+    cpu = variant_archive(tmp_path / "cpu.kiln.tar.zst", CPU_FP)
+    h200 = variant_archive(tmp_path / "h200.kiln.tar.zst", H200_FP)
+    bundle = write_bundle([cpu, h200], tmp_path / "release.kiln.tar.zst").path
+    proc = cli("push", bundle, f"oci://{registry}/kiln/release:v1", "--json", no_torch=True)
+    assert proc.returncode == 0, proc.stderr
+    pushed = json.loads(proc.stdout)
+    index = _registry_json(registry, "kiln/release/manifests/v1")
+    assert index["mediaType"] == "application/vnd.oci.image.index.v1+json"
+    assert "sha256:" + pushed["sha256"] == pushed["manifest_digest"]
+    entries = {e["annotations"]["dev.kiln.variant"]: e for e in index["manifests"]}
+    gpu = entries["h200-sm90-torch2.11.0-cu130"]
+    assert gpu["annotations"]["dev.kiln.gpu"] == "NVIDIA H200"
+    assert gpu["annotations"]["dev.kiln.capability"] == "9.0"
+    assert gpu["annotations"]["dev.kiln.torch"] == "2.11.0+cu130"
+    assert gpu["platform"] == {"architecture": "amd64", "os": "linux"}
+    assert entries["cpu-torch2.13.0-cpu"]["annotations"]["dev.kiln.torch"] == "2.13.0+cpu"
+    child = _registry_json(registry, f"kiln/release/manifests/{gpu['digest']}")
+    assert child["layers"][0]["digest"] == "sha256:" + sha(h200)  # the variant, unchanged
+    # restore: a CPU machine gets the cpu variant, pinned by the index digest
+    result = kiln.restore(
+        f"oci://{registry}/kiln/release:v1", tmp_path / "c", sha256=pushed["sha256"],
+        machine=Machine(),
+    )  # fmt: skip
+    assert result.sha256 == sha(cpu) and result.choice is not None
+    assert result.choice.variant.name == "cpu-torch2.13.0-cpu"
+    assert result.choice.bundle_sha256 == pushed["sha256"]
+    again = kiln.restore(pushed["pinned"], tmp_path / "c", sha256=pushed["sha256"])
+    assert again.noop  # pinned to the index: nothing fetched
+    with pytest.raises(IntegrityError, match="does not match the pinned"):
+        kiln.restore(pushed["pinned"], tmp_path / "x", sha256=sha(cpu), machine=Machine())
+    h200_machine = Machine((Gpu("NVIDIA H200", "9.0"),), "nvidia-smi")
+    result = kiln.restore(pushed["pinned"], tmp_path / "g", machine=h200_machine)
+    assert result.sha256 == sha(h200)
+    # the CLI, detecting the GPU through nvidia-smi; an unknown GPU is exit 5
+    bindir = fake_smi(tmp_path / "bin", printing("NVIDIA B200, 10.0\n"))
+    env = {"PATH": f"{bindir}:{os.environ['PATH']}"}
+    proc = cli("restore", pushed["pinned"], "--dest", tmp_path / "b", no_torch=True, env=env)
+    assert proc.returncode == 5, proc.stderr
+    assert "NVIDIA B200" in proc.stderr and "h200-sm90-torch2.11.0-cu130" in proc.stderr
+    assert not (tmp_path / "b").exists()

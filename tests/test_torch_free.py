@@ -18,7 +18,8 @@ def test_import_kiln_cli_without_torch() -> None:
         NO_TORCH
         + "import kiln, kiln.cli, kiln.artifact.restore, kiln.artifact.archive, "
         + "kiln.artifact.attestation, kiln.artifact.keys, kiln.cli.sign, kiln.artifact.merge, "
-        + "kiln.artifact.blobs, kiln.artifact.payload, kiln.factors, kiln.cli.merge; print('ok')"
+        + "kiln.artifact.blobs, kiln.artifact.payload, kiln.factors, kiln.cli.merge, "
+        + "kiln.artifact.bundle, kiln.artifact.machine; print('ok')"
     )
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
     assert proc.returncode == 0, proc.stderr
@@ -38,6 +39,25 @@ def test_restore_and_inspect_without_torch(tmp_path: Path, cli) -> None:
     assert json.loads(proc.stdout)["name"] == "demo"
     proc = cli("inspect", tmp_path / "cache", no_torch=True)
     assert proc.returncode == 0 and "demo" in proc.stdout
+
+
+def test_bundle_restore_and_inspect_without_torch(tmp_path: Path, cli) -> None:
+    """Issue 14: bundling, choosing a variant (GPU detection included) and inspecting a bundle
+    all run without torch."""
+    from tests.archives import CPU_FP, H200_FP, variant_archive
+
+    cpu = variant_archive(tmp_path / "cpu.kiln.tar.zst", CPU_FP)
+    gpu = variant_archive(tmp_path / "gpu.kiln.tar.zst", H200_FP)
+    out = tmp_path / "release.kiln.tar.zst"
+    proc = cli("bundle", cpu, gpu, "-o", out, no_torch=True)
+    assert proc.returncode == 0, proc.stderr
+    proc = cli("inspect", out, "--json", no_torch=True)
+    assert proc.returncode == 0 and json.loads(proc.stdout)["bundle"] is True, proc.stderr
+    for args in ((), ("--variant", "h200-sm90-torch2.11.0-cu130")):
+        dest = tmp_path / f"cache{len(args)}"
+        proc = cli("restore", out, "--dest", dest, "--json", *args, no_torch=True)
+        assert proc.returncode in (0, 5), proc.stderr  # 5: a GPU machine without an H200
+        assert "Traceback" not in proc.stderr  # importing torch would have crashed it
 
 
 @pytest.mark.slow  # the session's real CPU bake (`baked`): ~30 s

@@ -60,7 +60,7 @@ def source_date_epoch() -> int:
         return 0
 
 
-def _tarinfo(name: str, size: int, mtime: int) -> tarfile.TarInfo:
+def tar_member(name: str, size: int, mtime: int) -> tarfile.TarInfo:
     info = tarfile.TarInfo(name)
     info.size = size
     info.mtime = mtime  # int: a float would add PAX mtime records and break determinism
@@ -71,7 +71,7 @@ def _tarinfo(name: str, size: int, mtime: int) -> tarfile.TarInfo:
     return info
 
 
-class _HashingWriter(io.RawIOBase):
+class HashingWriter(io.RawIOBase):
     """Counts and hashes what the compressor writes, so the digest costs no second read."""
 
     def __init__(self, fh: BinaryIO) -> None:
@@ -102,7 +102,7 @@ def write_artifact(
     """
     mtime = source_date_epoch()
     with atomic_write(out) as raw:
-        hashing = _HashingWriter(raw)
+        hashing = HashingWriter(raw)
         cctx = zstandard.ZstdCompressor(level=ZSTD_LEVEL, threads=ZSTD_THREADS, write_checksum=True)
         with (
             cctx.stream_writer(hashing, closefd=False) as zw,
@@ -115,19 +115,19 @@ def write_artifact(
                     f"more than restore accepts ({MAX_MANIFEST_BYTES >> 20} MiB): "
                     "bake fewer buckets per artifact"
                 )
-            tar.addfile(_tarinfo(MANIFEST_NAME, len(body), mtime), io.BytesIO(body))
+            tar.addfile(tar_member(MANIFEST_NAME, len(body), mtime), io.BytesIO(body))
             for entry in sorted(manifest.files, key=lambda e: e.path):
                 src = root / entry.path
                 with open(src, "rb") as fh:
-                    reader = _CheckedReader(fh, entry.path, entry.size, entry.sha256)
-                    tar.addfile(_tarinfo(entry.path, entry.size, mtime), reader)
+                    reader = CheckedReader(fh, entry.path, entry.size, entry.sha256)
+                    tar.addfile(tar_member(entry.path, entry.size, mtime), reader)
                     reader.finish()
                 if on_bytes:
                     on_bytes(entry.size)
     return hashing.sha.hexdigest(), hashing.size
 
 
-class _CheckedReader:
+class CheckedReader:
     """Feeds tarfile while re-hashing: a file changed after capture must not ship silently."""
 
     def __init__(self, fh: BinaryIO, name: str, size: int, sha256: str) -> None:
@@ -267,13 +267,22 @@ def _validation_message(exc: ValidationError) -> str:
     return f"manifest.json is not a kiln manifest: {where + ': ' if where else ''}{msg}"
 
 
-def read_manifest_member(tar: tarfile.TarFile) -> Manifest:
-    """Read the first member, which must be ``manifest.json``, refusing an implausible size from
-    its header before reading it. Then bound the rest of the archive by what the manifest lists."""
+def first_member(tar: tarfile.TarFile) -> tarfile.TarInfo | None:
+    """The archive's first member (None for an empty archive): ``manifest.json`` in an artifact,
+    ``bundle.json`` in a bundle (:mod:`kiln.artifact.bundle`), which is how readers tell them
+    apart from one stream."""
     try:
-        first = tar.next()
+        return tar.next()
     except (tarfile.TarError, zstandard.ZstdError, EOFError) as exc:
         raise IntegrityError(f"not a readable kiln artifact: {exc}") from None
+
+
+def read_manifest_member(tar: tarfile.TarFile, first: tarfile.TarInfo | None = None) -> Manifest:
+    """Read the first member, which must be ``manifest.json``, refusing an implausible size from
+    its header before reading it. Then bound the rest of the archive by what the manifest lists.
+    ``first`` is that member when the caller already read its header (:func:`first_member`)."""
+    if first is None:
+        first = first_member(tar)
     if first is None or first.name != MANIFEST_NAME or not first.isreg():
         raise IntegrityError("not a kiln artifact: manifest.json is not the first member")
     if first.size > MAX_MANIFEST_BYTES:

@@ -42,20 +42,24 @@ class HashingReader:
     def __init__(self, fh: BinaryIO) -> None:
         self._fh = fh
         self._h = hashlib.sha256()
+        self.size = 0  # bytes hashed so far
 
     def read(self, n: int = -1) -> bytes:
         data = self._fh.read(n)
         self._h.update(data)
+        self.size += len(data)
         return data
 
     def readinto(self, buf: Any) -> int:
         n = self._fh.readinto(buf)
         self._h.update(memoryview(buf)[:n])
+        self.size += n
         return n
 
     def finish(self) -> str:
         while chunk := self._fh.read(CHUNK):
             self._h.update(chunk)
+            self.size += len(chunk)
         return self._h.hexdigest()
 
 
@@ -208,48 +212,58 @@ class _FileWriter:
 
 
 def extract(fh: Any, tree: Path, emit: EventSink) -> Manifest:
-    writer = _FileWriter()
+    """Unpack the artifact read from ``fh`` into ``tree``: what its manifest lists, checked."""
     try:
         with open_tar_stream(fh) as tar:
-            manifest = read_manifest_member(tar)
-            allowed = {f.path: f for f in manifest.files}
-            dirs = {str(parent) for f in manifest.files for parent in PurePosixPath(f.path).parents}
-            for f in allowed:
-                safe_member_name(f)
-            require_space(tree, manifest.total_bytes, f"{len(allowed)} files")
-            total = manifest.total_bytes
-            emit(Extracting(bytes=0, total=total))
-            seen: set[str] = set()
-            done = 0
-            for index, member in enumerate(tar):
-                if index == 0:
-                    continue  # manifest.json, already read (a streaming TarFile yields it again)
-                name = safe_member_name(member.name)
-                if member.isdir():
-                    if name not in dirs:
-                        raise IntegrityError(f"folder {name!r} is not in the manifest")
-                    continue
-                if not member.isreg():
-                    raise IntegrityError(f"{name!r} is a {_member_kind(member)}: refused")
-                entry = allowed.get(name)
-                if entry is None:
-                    raise IntegrityError(f"{name!r} is not in the manifest")
-                if name in seen:
-                    raise IntegrityError(f"{name!r} appears twice in the archive")
-                seen.add(name)
-                if member.size != entry.size:
-                    raise IntegrityError(
-                        f"{name!r} is {member.size} bytes, the manifest says {entry.size}"
-                    )
-                src = tar.extractfile(member)
-                assert src is not None
-                writer.begin(tree / name, entry)
-                while chunk := src.read(CHUNK):
-                    writer.write(chunk)
-                writer.end()
-                done += entry.size
-                emit(Extracting(bytes=done, total=total))
-            writer.close()
+            return extract_members(tar, read_manifest_member(tar), tree, emit)
+    except (tarfile.TarError, zstandard.ZstdError, EOFError) as exc:
+        raise IntegrityError(f"artifact is corrupt or truncated: {exc}") from None
+
+
+def extract_members(
+    tar: tarfile.TarFile, manifest: Manifest, tree: Path, emit: EventSink
+) -> Manifest:
+    """The members after ``manifest.json`` (already read from ``tar``), written into ``tree``."""
+    writer = _FileWriter()
+    try:
+        allowed = {f.path: f for f in manifest.files}
+        dirs = {str(parent) for f in manifest.files for parent in PurePosixPath(f.path).parents}
+        for f in allowed:
+            safe_member_name(f)
+        require_space(tree, manifest.total_bytes, f"{len(allowed)} files")
+        total = manifest.total_bytes
+        emit(Extracting(bytes=0, total=total))
+        seen: set[str] = set()
+        done = 0
+        for index, member in enumerate(tar):
+            if index == 0:
+                continue  # manifest.json, already read (a streaming TarFile yields it again)
+            name = safe_member_name(member.name)
+            if member.isdir():
+                if name not in dirs:
+                    raise IntegrityError(f"folder {name!r} is not in the manifest")
+                continue
+            if not member.isreg():
+                raise IntegrityError(f"{name!r} is a {_member_kind(member)}: refused")
+            entry = allowed.get(name)
+            if entry is None:
+                raise IntegrityError(f"{name!r} is not in the manifest")
+            if name in seen:
+                raise IntegrityError(f"{name!r} appears twice in the archive")
+            seen.add(name)
+            if member.size != entry.size:
+                raise IntegrityError(
+                    f"{name!r} is {member.size} bytes, the manifest says {entry.size}"
+                )
+            src = tar.extractfile(member)
+            assert src is not None
+            writer.begin(tree / name, entry)
+            while chunk := src.read(CHUNK):
+                writer.write(chunk)
+            writer.end()
+            done += entry.size
+            emit(Extracting(bytes=done, total=total))
+        writer.close()
     except (tarfile.TarError, zstandard.ZstdError, EOFError) as exc:
         raise IntegrityError(f"artifact is corrupt or truncated: {exc}") from None
     finally:

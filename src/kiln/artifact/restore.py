@@ -7,10 +7,16 @@ by us, never by ``tarfile.extract`` (whose filters have had escapes). Everything
 staging folder beside DIR and is swapped in with one atomic rename only when complete (checked
 against the manifest right before), under a lock, so a killed or concurrent restore never leaves
 DIR half-written. The digest pinned and recorded is that of the bytes actually unpacked.
+
+A bundle (:mod:`kiln.artifact.bundle`) goes through the same flow: the pin, the lock, the
+staging folder and the swap are the bundle's, and what is unpacked is its chosen variant, so the
+folder ends up exactly as restoring that variant alone would leave it (its digest in the state
+file, which also names the bundle and variant so that a repeat restore is a no-op).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import errno
 import json
 import os
@@ -27,7 +33,9 @@ from kiln.artifact.archive import (
     parse_manifest,
 )
 from kiln.artifact.attestation import AttestationCheck, verify_attestation
+from kiln.artifact.bundle import Candidate, Choice, Selector, key_of, unpack
 from kiln.artifact.extract import HashingReader, check_stage, extract, require_space
+from kiln.artifact.machine import Machine
 from kiln.artifact.manifest import MANIFEST_NAME, Manifest
 from kiln.artifact.storage import DEFAULT_TIMEOUT, check_timeout, fetch, is_remote, parse_digest
 from kiln.artifact.swap import UNWRITABLE, Lock, clean_stale, dest_path, make_staging, recover, swap
@@ -48,10 +56,12 @@ class RestoreResult:
     env_file: Path
     manifest: Manifest
     provenance: dict[str, Any] | None = None  # the verified attestation (restore --verify-key)
+    choice: Choice | None = None  # the variant installed, when SOURCE is a bundle
 
     def summary(self) -> dict[str, Any]:
         return {
             "provenance": self.provenance,
+            "variant": self.choice.summary() if self.choice is not None else None,
             "dest": str(self.dest),
             "sha256": self.sha256,
             "name": self.manifest.name,
@@ -64,8 +74,39 @@ class RestoreResult:
         }
 
 
-def _installed(dest: Path) -> tuple[str, Manifest] | None:
-    """The digest and manifest installed in ``dest``, read without a lock and without writing.
+@dataclass(frozen=True)
+class Installed:
+    """What DEST holds: the artifact's digest and manifest, and the bundle it came from."""
+
+    digest: str
+    manifest: Manifest
+    bundle_sha256: str | None = None
+    variant: str | None = None
+
+    def from_bundle(self, bundle: str, selector: Selector) -> Choice | None:
+        """The installed variant as this restore's choice, when it is ``bundle``'s and still
+        what ``selector`` picks: a repeat restore of the bundle is then a no-op."""
+        if self.bundle_sha256 != bundle or self.variant is None:
+            return None
+        try:
+            candidate = Candidate(name=self.variant, **key_of(self.manifest).selection())
+            if not selector.still_chosen(candidate.name, candidate):
+                return None
+        except KilnError:
+            return None
+        why = (
+            f"--variant {candidate.name}"
+            if selector.variant is not None
+            else f"this machine ({selector.describe_here()}) matches {candidate.describe()}"
+        )
+        machine = selector.machine if selector.variant is None else None
+        return Choice(
+            candidate, f"{why} (installed already)", machine, selector.torch_version, bundle
+        )
+
+
+def _installed(dest: Path) -> Installed | None:
+    """What is installed in ``dest``, read without a lock and without writing.
 
     Both files are read through one descriptor of the folder: a concurrent swap exchanges whole
     trees, so they always come from the same restore. None when there is no complete install.
@@ -77,12 +118,23 @@ def _installed(dest: Path) -> tuple[str, Manifest] | None:
     try:
         state = json.loads(_read_at(dfd, STATE_NAME, 1 << 16))
         digest = state["artifact_sha256"]
+        bundle = state.get("bundle") or {}
         manifest = parse_manifest(_read_at(dfd, MANIFEST_NAME, MAX_MANIFEST_BYTES))
-    except (OSError, ValueError, KeyError, TypeError, KilnError):
+    except (OSError, ValueError, KeyError, TypeError, AttributeError, KilnError):
         return None
     finally:
         os.close(dfd)
-    return (digest, manifest) if isinstance(digest, str) else None
+    if not isinstance(digest, str):
+        return None
+    sha, variant = (
+        (bundle.get("sha256"), bundle.get("variant")) if isinstance(bundle, dict) else (None, None)
+    )
+    return Installed(
+        digest,
+        manifest,
+        sha if isinstance(sha, str) else None,
+        variant if isinstance(variant, str) else None,
+    )
 
 
 def _read_at(dfd: int, name: str, limit: int) -> bytes:
@@ -120,6 +172,9 @@ def restore(
     timeout: float = DEFAULT_TIMEOUT,
     verify_keys: str | Path | Sequence[str | Path] | None = None,
     attestation: str | None = None,
+    variant: str | None = None,
+    torch_version: str | None = None,
+    machine: Machine | None = None,
 ) -> RestoreResult:
     """Install the artifact at ``source`` (path or URL) into ``dest``.
 
@@ -129,11 +184,18 @@ def restore(
     (``attestation``, default ``SOURCE.intoto.jsonl``) whose subject is the bytes unpacked
     (:mod:`kiln.artifact.attestation`). Raises :class:`IntegrityError` (exit 3) for a wrong
     digest, a bad or missing attestation or an unsafe/corrupt archive, with ``dest`` untouched.
+
+    When ``source`` is a bundle (:mod:`kiln.artifact.bundle`; for ``oci://`` an image index),
+    ``sha256`` pins the bundle and only the variant chosen by :class:`~kiln.artifact.bundle.
+    Selector` is installed: ``variant`` by name, else the one matching ``machine`` (default:
+    detected, :func:`kiln.artifact.machine.detect`) and ``torch_version`` (the serving torch).
+    ``RestoreResult.choice`` says which and why.
     """
     t0 = time.time()
     emit = on_event or ignore
     pin = parse_digest(sha256)
     check_timeout(timeout)
+    selector = Selector(variant=variant, torch_version=torch_version, machine=machine)
     source = str(source)
     dest = dest_path(dest)
     # Signed provenance first: the signature before anything is fetched or locked, the subject
@@ -145,22 +207,39 @@ def restore(
         # The installed digest is checked before the lock: a no-op needs no write anywhere, so
         # it works in a read-only parent folder too.
         installed = _installed(dest)
-        if installed is not None and installed[0] == pin:
+        noop, choice = _noop_for(installed, pin, selector)
+        if noop and installed is not None:
             _check_dest(dest)
-            return _attested(_noop(dest, installed, env_file, t0), trust)
+            return _attested(_noop(dest, installed, env_file, t0, choice), trust)
     try:
         dest.parent.mkdir(parents=True, exist_ok=True)
         lock = Lock(dest)
     except OSError as exc:
         if exc.errno not in UNWRITABLE:
             raise
-        return _attested(_restore_unwritable(source, dest, pin, env_file, t0, exc, trust), trust)
+        result = _restore_unwritable(source, dest, pin, env_file, t0, exc, selector, trust)
+        return _attested(result, trust)
     try:
         return _attested(
-            _restore_locked(source, dest, pin, env_file, emit, timeout, t0, trust), trust
+            _restore_locked(source, dest, pin, env_file, emit, timeout, t0, selector, trust),
+            trust,
         )
     finally:
         lock.release()
+
+
+def _noop_for(
+    installed: Installed | None, digest: str, selector: Selector
+) -> tuple[bool, Choice | None]:
+    """Whether restoring the artifact or bundle ``digest`` over ``installed`` changes nothing,
+    and the variant choice to report then (None: not a bundle)."""
+    if installed is None:
+        return False, None
+    if installed.digest == digest:
+        # --variant with a plain artifact's digest: the full path says what is wrong.
+        return selector.variant is None, None
+    choice = installed.from_bundle(digest, selector)
+    return choice is not None, choice
 
 
 def _attested(result: RestoreResult, trust: AttestationCheck | None) -> RestoreResult:
@@ -175,6 +254,7 @@ def _restore_unwritable(
     env_file: str | Path | None,
     t0: float,
     exc: OSError,
+    selector: Selector,
     trust: AttestationCheck | None = None,
 ) -> RestoreResult:
     """DEST's parent cannot be written (no lock, no staging): only a no-op can succeed.
@@ -187,9 +267,10 @@ def _restore_unwritable(
             if trust is not None:
                 trust.check_subject(fetched.sha256)
             installed = _installed(dest)
-            if installed is not None and installed[0] == fetched.sha256:
+            noop, choice = _noop_for(installed, fetched.sha256, selector)
+            if noop and installed is not None:
                 _check_dest(dest)
-                return _noop(dest, installed, env_file, t0)
+                return _noop(dest, installed, env_file, t0, choice)
     raise UsageError(
         f"{dest.parent}: not writable ({exc.strerror}); restore needs a lock file and a "
         f"staging folder beside {dest.name} (only restoring the installed digest works here)"
@@ -204,14 +285,17 @@ def _restore_locked(
     emit: EventSink,
     timeout: float,
     t0: float,
+    selector: Selector,
     trust: AttestationCheck | None = None,
 ) -> RestoreResult:
     recover(dest, emit)
     _check_dest(dest)
     clean_stale(dest)
     installed = _installed(dest)
-    if installed is not None and installed[0] == pin:
-        return _noop(dest, installed, env_file, t0)
+    if pin is not None:
+        noop, choice = _noop_for(installed, pin, selector)
+        if noop and installed is not None:
+            return _noop(dest, installed, env_file, t0, choice)
     staging = make_staging(dest)
     try:
         if is_remote(source):
@@ -223,18 +307,36 @@ def _restore_locked(
             expected_sha256=pin,
             on_bytes=lambda n, total: emit(Fetched(bytes=n, total=total)),
             timeout=timeout,
+            select=selector.choose,
         ) as fetched:
             if trust is not None:  # before a byte is unpacked; extract() re-hashes what it reads
                 trust.check_subject(fetched.sha256)
-            if installed is not None and installed[0] == fetched.sha256:
-                return _noop(dest, installed, env_file, t0)
+            bundle_sha = fetched.release_sha256 or fetched.sha256
+            choice = fetched.choice  # an OCI index: chosen from the registry
+            if choice is not None:
+                choice = dataclasses.replace(choice, bundle_sha256=bundle_sha)
+            same = installed is not None and installed.digest == fetched.sha256
+            if same and (choice is not None or selector.variant is None):
+                assert installed is not None
+                return _noop(dest, installed, env_file, t0, choice)
             tree = staging / "tree"
             tree.mkdir()
             # Unpack from the very file descriptor that was hashed, hashing again as it is
             # read: the digest recorded (and compared with the pin) is that of the bytes
             # unpacked, even if the file is rewritten in place meanwhile.
             reader = HashingReader(fetched.file)
-            manifest = extract(reader, tree, emit)
+            variant_sha: str | None = None
+            if choice is not None:
+                manifest = extract(reader, tree, emit)
+            else:
+                have = installed.digest if installed is not None else None
+                out = unpack(reader, tree, emit, selector, source, have)
+                if out.choice is not None:
+                    choice = dataclasses.replace(out.choice, bundle_sha256=bundle_sha)
+                if out.manifest is None:  # the bundle's chosen variant is installed already
+                    assert installed is not None
+                    return _noop(dest, installed, env_file, t0, choice)
+                manifest, variant_sha = out.manifest, out.variant_sha256
             unpacked = reader.finish()
         if unpacked != fetched.sha256:
             raise IntegrityError(
@@ -243,9 +345,18 @@ def _restore_locked(
             )
         if fetched.downloaded:
             fetched.path.unlink()
+        # What is installed is the artifact (a bundle's variant): its digest, as restoring it
+        # alone would record; the bundle is named beside it, for the no-op of a repeat restore.
+        installed_sha = variant_sha or unpacked
         (tree / MANIFEST_NAME).write_bytes(manifest.to_bytes())
         (tree / ENV_NAME).write_text(env_file_text(dest, manifest.name, manifest.env))
-        state = {"artifact_sha256": unpacked, "source": source, "restored": time.time()}
+        state: dict[str, Any] = {
+            "artifact_sha256": installed_sha,
+            "source": source,
+            "restored": time.time(),
+        }
+        if choice is not None:
+            state["bundle"] = {"sha256": bundle_sha, "variant": choice.variant.name}
         (tree / STATE_NAME).write_text(json.dumps(state))
         check_stage(tree, dest, manifest)
         swap(tree, dest)
@@ -257,14 +368,19 @@ def _restore_locked(
         raise
     finally:
         shutil.rmtree(staging, ignore_errors=True)
-    return _result(dest, unpacked, manifest, env_file, t0, noop=False)
+    return _result(dest, installed_sha, manifest, env_file, t0, noop=False, choice=choice)
 
 
 def _noop(
-    dest: Path, installed: tuple[str, Manifest], env_file: str | Path | None, t0: float
+    dest: Path,
+    installed: Installed,
+    env_file: str | Path | None,
+    t0: float,
+    choice: Choice | None = None,
 ) -> RestoreResult:
-    digest, manifest = installed
-    return _result(dest, digest, manifest, env_file, t0, noop=True)
+    return _result(
+        dest, installed.digest, installed.manifest, env_file, t0, noop=True, choice=choice
+    )
 
 
 def _result(
@@ -275,6 +391,7 @@ def _result(
     t0: float,
     *,
     noop: bool,
+    choice: Choice | None = None,
 ) -> RestoreResult:
     return RestoreResult(
         dest=dest,
@@ -285,6 +402,7 @@ def _result(
         noop=noop,
         env_file=_write_env_copy(dest, env_file),
         manifest=manifest,
+        choice=choice,
     )
 
 

@@ -1,4 +1,5 @@
-"""`kiln inspect`, `kiln restore`, `kiln push`: artifact handling. Never imports torch."""
+"""`kiln inspect`, `kiln restore`, `kiln push`, `kiln bundle`: artifact handling. Never imports
+torch."""
 
 from __future__ import annotations
 
@@ -10,13 +11,14 @@ from rich.console import Console
 from kiln.artifact.storage import DEFAULT_TIMEOUT
 from kiln.cli.options import JSON, QUIET
 from kiln.cli.output import Output, esc
-from kiln.cli.render import human_bytes, manifest_view
+from kiln.cli.render import bundle_view, human_bytes, manifest_view
 
 
 def register(app: typer.Typer) -> None:
     app.command("inspect")(inspect_cmd)
     app.command("restore")(restore_cmd)
     app.command("push")(push_cmd)
+    app.command("bundle")(bundle_cmd)
 
 
 def inspect_cmd(
@@ -25,11 +27,18 @@ def inspect_cmd(
 ) -> None:
     """Show an artifact's manifest without unpacking it: fingerprint, grid, files by kind
     (and ARTIFACT.intoto.jsonl beside it, unverified)."""
-    from kiln.artifact.archive import read_manifest
     from kiln.artifact.attestation import show_attestation
+    from kiln.artifact.bundle import BundleIndex, read_head
     from kiln.cli.sign import attestation_lines
 
-    m = read_manifest(artifact)
+    m = read_head(artifact)
+    if isinstance(m, BundleIndex):
+        index = m
+        Output(json_).emit(
+            {"bundle": True, "format": index.format, "variants": index.summary()},
+            lambda c: bundle_view(c, index),
+        )
+        return
     data = m.model_dump(mode="json")
     seen = None if artifact.is_dir() else show_attestation(artifact)
     if seen is not None:
@@ -72,10 +81,21 @@ def restore_cmd(
     attestation: str = typer.Option(
         None, "--attestation", help="Attestation path or URL (default: SOURCE.intoto.jsonl)."
     ),
+    variant: str = typer.Option(
+        None, "--variant", help="For a bundle: install this variant (see kiln inspect)."
+    ),
+    torch_version: str = typer.Option(
+        None,
+        "--torch-version",
+        help="For a bundle: the serving image's torch (torch.__version__, e.g. 2.11.0+cu130); "
+        "only variants baked with it match.",
+        envvar="KILN_TORCH_VERSION",
+    ),
     json_: bool = JSON,
     quiet: bool = QUIET,
 ) -> None:
-    """Fetch and unpack an artifact into DEST safely, atomically and idempotently."""
+    """Fetch and unpack an artifact into DEST safely, atomically and idempotently. A bundle
+    installs the variant that matches this machine's GPU (and --torch-version), or --variant."""
     from kiln.artifact.attestation import describe_line
     from kiln.artifact.keys import verify_keys_from_env
     from kiln.artifact.restore import restore
@@ -92,7 +112,11 @@ def restore_cmd(
             timeout=timeout,
             verify_keys=keys,
             attestation=attestation,
+            variant=variant,
+            torch_version=torch_version,
         )
+    if result.choice is not None:
+        o.note(f"bundle: variant {result.choice.variant.name}: {result.choice.reason}")
     if result.provenance is not None:
         o.note(f"attestation verified: {describe_line(result.provenance)}")
 
@@ -126,5 +150,25 @@ def push_cmd(
         c.print(f"pushed {esc(result.dest)}\nsha256 {result.sha256}")
         if result.attestation is not None:
             c.print(f"attestation {esc(result.attestation)}")
+
+    Output(json_).emit(result.summary(), human)
+
+
+def bundle_cmd(
+    artifacts: list[Path] = typer.Argument(
+        ..., help="Artifacts baked on different GPUs or torch builds: one variant each."
+    ),
+    out: Path = typer.Option(..., "--out", "-o", help="Bundle file to write (atomically)."),
+    json_: bool = JSON,
+) -> None:
+    """Make one release of several artifacts; kiln restore installs the variant matching the
+    machine. Exit 2 if two share a GPU, capability and torch build (restore could not choose)."""
+    from kiln.artifact.bundle import write_bundle
+
+    result = write_bundle(artifacts, out)
+
+    def human(c: Console) -> None:
+        bundle_view(c, result.index)
+        c.print(f"wrote {esc(result.path)}: {human_bytes(result.size)}\nsha256 {result.sha256}")
 
     Output(json_).emit(result.summary(), human)

@@ -19,6 +19,7 @@ from kiln.artifact.manifest import BucketStats, GraphBreak, Manifest
 from kiln.cli.output import esc, plain, visible
 
 if TYPE_CHECKING:
+    from kiln.artifact.bundle import BundleIndex
     from kiln.compiler.bench import BenchReport
     from kiln.compiler.check import CheckReport
     from kiln.compiler.verify import VerifyReport
@@ -224,6 +225,28 @@ def manifest_view(console: Console, m: Manifest, digest: str | None = None) -> N
     print_table(console, kinds)
     if m.env:
         console.print(plain("serving env: " + " ".join(f"{k}={v}" for k, v in m.env.items())))
+
+
+def bundle_view(console: Console, index: BundleIndex) -> None:
+    """A bundle's variants, one row each: what selects it (GPU, capability, torch, CUDA) and
+    the artifact it installs."""
+    table = Table(title=f"bundle: {len(index.variants)} variants", title_justify="left")
+    for col in ("variant", "device", "GPU", "capability", "torch", "CUDA", "artifact", "size"):
+        table.add_column(col, justify="right" if col == "size" else "left")
+    table.add_column("sha256")
+    for v in index.variants:
+        table.add_row(
+            plain(v.name),
+            plain(v.device),
+            plain(v.gpu or "-"),
+            plain(v.capability or "-"),
+            plain(v.torch or "-"),
+            plain(v.cuda or "-"),
+            plain(v.artifact),
+            human_bytes(v.size),
+            plain(v.sha256[:12]),
+        )
+    print_table(console, table)
 
 
 BENCH_COLUMNS = (

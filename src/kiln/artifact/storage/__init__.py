@@ -27,6 +27,7 @@ from kiln.artifact.storage.base import (
     Deadline,
     Fetched,
     PushResult,
+    Select,
     Store,
     cannot_push,
     check_digest,
@@ -86,20 +87,23 @@ def fetch(
     expected_sha256: str | None = None,
     on_bytes: ByteSink | None = None,
     timeout: float = DEFAULT_TIMEOUT,
+    select: Select | None = None,
 ) -> Fetched:
     """Make ``source`` available as an open local file (downloading into ``workdir`` if remote).
 
-    The digest is checked against ``expected_sha256`` before this returns; a download must finish
-    within ``timeout`` seconds. The caller owns (closes) the returned :class:`Fetched`.
+    The digest is checked against ``expected_sha256`` before this returns (for a bundle a store
+    resolves itself, an OCI image index, against the index's digest: the release's); a download
+    must finish within ``timeout`` seconds. ``select`` chooses such a bundle's variant. The
+    caller owns (closes) the returned :class:`Fetched`.
     """
     parse_digest(expected_sha256)
     deadline = Deadline(timeout)
     store = backend(scheme_of(source))
     if store is None:
         raise UsageError(f"{source}: unsupported source scheme {scheme_of(source)!r}")
-    fetched = store.open(source, workdir, deadline=deadline, on_bytes=on_bytes)
+    fetched = store.open(source, workdir, deadline=deadline, on_bytes=on_bytes, select=select)
     try:
-        check_digest(expected_sha256, fetched.sha256, source)
+        check_digest(expected_sha256, fetched.release_sha256 or fetched.sha256, source)
     except BaseException:
         fetched.close()
         raise

@@ -32,6 +32,9 @@ from kiln.errors import IntegrityError, KilnError, UsageError
 from kiln.files import CHUNK
 
 ByteSink = Callable[[int, int | None], None]  # (bytes so far, total or None)
+# A bundle's variant chooser, (candidates, source) -> choice: kiln.artifact.bundle.Selector.choose.
+# A store whose bundles are not files (an OCI image index) chooses while fetching.
+Select = Callable[[list[Any], str], Any]
 
 DEFAULT_TIMEOUT = 600.0  # seconds a whole download may take: `kiln restore --timeout`
 IDLE_TIMEOUT = 60.0  # seconds one wait on the network may take (or a quarter of the total)
@@ -278,6 +281,10 @@ class Fetched:
     size: int
     downloaded: bool  # False for local files: nothing to clean up
     file: BinaryIO = field(repr=False)
+    # When the source was a bundle the store resolved itself (an OCI image index): the variant
+    # it chose (a kiln.artifact.bundle.Choice), and the digest of the release, which a pin names.
+    choice: Any = None
+    release_sha256: str | None = None
 
     def close(self) -> None:
         self.file.close()
@@ -331,12 +338,20 @@ class Store(ABC):
         return self.push(attestation, pushed.dest + ATTESTATION_SUFFIX).dest
 
     def open(
-        self, url: str, workdir: Path, *, deadline: Deadline, on_bytes: ByteSink | None
+        self,
+        url: str,
+        workdir: Path,
+        *,
+        deadline: Deadline,
+        on_bytes: ByteSink | None,
+        select: Select | None = None,
     ) -> Fetched:
         """The artifact as one open local file: downloaded into ``workdir`` by :meth:`fetch`.
 
         The caller checks the digest, then reads (unpacks) from :attr:`Fetched.file`, the very
-        file that was hashed. A local store overrides this to open the file in place.
+        file that was hashed. A local store overrides this to open the file in place. ``select``
+        is for stores that resolve bundles themselves (OCI); a bundle *file* is chosen from as
+        it is unpacked (:func:`kiln.artifact.bundle.unpack`).
         """
         dest = workdir / DOWNLOAD_NAME
         out = open(dest, "x+b")  # noqa: SIM115 - handed to the caller inside Fetched

@@ -19,6 +19,7 @@ from kiln.artifact.storage.base import (
     Digest,
     Fetched,
     PushResult,
+    Select,
     Store,
     copy_hashing,
 )
@@ -61,7 +62,13 @@ class FileStore(Store):
     """A filesystem path. Local reads are not downloads: no deadline applies to them."""
 
     def open(
-        self, url: str, workdir: Path, *, deadline: Deadline, on_bytes: ByteSink | None
+        self,
+        url: str,
+        workdir: Path,
+        *,
+        deadline: Deadline,
+        on_bytes: ByteSink | None,
+        select: Select | None = None,
     ) -> Fetched:
         path = local_path(url)
         fh = open_regular(path, url)

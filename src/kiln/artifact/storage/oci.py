@@ -5,6 +5,12 @@ use it as is. The config blob is kiln's manifest, so a registry UI or ``kiln ins
 the fingerprint without pulling the payload; its media type marks the artifact as kiln's (oras-py
 0.2 cannot set ``artifactType``, and an empty config would require it). Credentials come from the
 docker config, as oras reads it; kiln adds none of its own.
+
+A bundle (:mod:`kiln.artifact.bundle`) is pushed as an OCI image index: one such manifest per
+variant, each index entry annotated with what selects it (``dev.kiln.gpu``, ``dev.kiln.torch``…)
+and the OCI ``platform`` of its bake, so registries and their tools list the variants natively.
+Restore reads the index, chooses from those annotations as it would from a bundle file, and
+fetches only the chosen variant; a pin (``--sha256`` or ``@sha256:``) names the index.
 """
 
 from __future__ import annotations
@@ -13,6 +19,7 @@ import contextlib
 import hashlib
 import json
 import os
+import re
 import tempfile
 import urllib.parse
 from dataclasses import dataclass
@@ -21,12 +28,15 @@ from typing import IO, Any
 
 from kiln.artifact.storage.base import (
     ATTEMPTS,
+    DOWNLOAD_NAME,
     ByteSink,
     CappedBuffer,
     Deadline,
     Digest,
+    Fetched,
     PushResult,
     RedirectRefused,
+    Select,
     Store,
     copy_hashing,
     json_object,
@@ -49,6 +59,16 @@ OCI_EMPTY_TYPE = "application/vnd.oci.empty.v1+json"
 OCI_EMPTY = b"{}"
 MAX_REFERRERS = 64  # attestation referrers read per artifact
 MAX_REFERRER_BYTES = 16 << 20  # per manifest, index or attestation layer
+# Annotations of a bundle's index entries: what restore selects a variant by (VariantKey).
+VARIANT_ANNOTATIONS = {
+    "name": "dev.kiln.variant",
+    "device": "dev.kiln.device",
+    "gpu": "dev.kiln.gpu",
+    "capability": "dev.kiln.capability",
+    "torch": "dev.kiln.torch",
+    "cuda": "dev.kiln.cuda",
+}
+_ARCHITECTURES = {"x86_64": "amd64", "amd64": "amd64", "aarch64": "arm64", "arm64": "arm64"}
 
 
 @dataclass(frozen=True)
@@ -68,14 +88,47 @@ class OciPushResult(PushResult):
 class OciStore(Store):
     """``oci://registry/repository[:tag|@sha256:digest]``."""
 
+    def open(
+        self,
+        url: str,
+        workdir: Path,
+        *,
+        deadline: Deadline,
+        on_bytes: ByteSink | None,
+        select: Select | None = None,
+    ) -> Fetched:
+        """The artifact, or for a bundle (an image index) the variant ``select`` chooses."""
+        dest = workdir / DOWNLOAD_NAME
+        out = open(dest, "x+b")  # noqa: SIM115 - handed to the caller inside Fetched
+        try:
+            got, choice, release = self._fetch(url, out, deadline, on_bytes, select)
+            out.flush()
+            out.seek(0)
+        except BaseException:
+            out.close()
+            raise
+        return Fetched(dest, got.sha256, got.size, True, out, choice=choice, release_sha256=release)
+
     def fetch(
         self, url: str, into: IO[bytes], *, deadline: Deadline, on_bytes: ByteSink | None
     ) -> Digest:
+        return self._fetch(url, into, deadline, on_bytes, None)[0]
+
+    def _fetch(
+        self,
+        url: str,
+        into: IO[bytes],
+        deadline: Deadline,
+        on_bytes: ByteSink | None,
+        select: Select | None,
+    ) -> tuple[Digest, Any, str | None]:
+        """Copy the artifact's layer into ``into``; for an image index, the chosen variant's.
+        Returns what was copied, the choice, and the index's digest (hex) that a pin names."""
         host, ref = _oci_ref(url)
         reg = _registry(host, deadline)
         container = reg.get_container(ref)
         reg.auth.load_configs(container)
-        headers = {"Accept": OCI_MANIFEST_TYPE}
+        headers = {"Accept": f"{OCI_MANIFEST_TYPE}, {OCI_INDEX_TYPE}"}
         manifest_url = f"{reg.prefix}://{container.manifest_url()}"
         body = _read_small(
             _check(_request(reg, manifest_url, deadline, url, headers=headers, stream=True), url),
@@ -87,6 +140,21 @@ class OciStore(Store):
             actual = "sha256:" + hashlib.sha256(body).hexdigest()
             if actual != pinned:
                 raise IntegrityError(f"{url}: registry served manifest {actual}")
+        choice: Any = None
+        release: str | None = None
+        doc = json_object(body, f"{url}: the registry's manifest")
+        if doc.get("mediaType") == OCI_INDEX_TYPE or "manifests" in doc:
+            if select is None:
+                raise UsageError(f"{url}: is a kiln bundle (an OCI image index): kiln restore it")
+            candidates, entries = _index_variants(doc, url)
+            choice = select(candidates, url)
+            entry = entries[choice.variant.name]
+            release = _digest_of(body).removeprefix("sha256:")
+            body = _get_json_bytes(
+                reg, container.manifest_url(entry), deadline, url, OCI_MANIFEST_TYPE
+            )
+            if _digest_of(body) != entry:
+                raise IntegrityError(f"{url}: registry served variant {entry} with other bytes")
         layer = _kiln_layer(body, url)
         blob_url = f"{reg.prefix}://{container.get_blob_url(layer['digest'])}"
         blob = _check(
@@ -96,38 +164,20 @@ class OciStore(Store):
         got = _copy_response(blob, into, size, on_bytes, deadline, url)
         if "sha256:" + got.sha256 != layer["digest"]:
             raise IntegrityError(f"{url}: layer digest mismatch")
-        return got
+        return got, choice, release
 
     def push(self, src: Path, url: str) -> OciPushResult:
-        from kiln.artifact.archive import read_manifest
+        from kiln.artifact.bundle import BundleIndex, read_head
 
-        oci = need_extra("oras.oci", "oci")
+        need_extra("oras.oci", "oci")
         host, ref = _oci_ref(url)
         reg = _registry(host)
         container = reg.get_container(ref)
         reg.auth.load_configs(container)
-        kiln_manifest = read_manifest(src)
-        layer = oci.NewLayer(str(src), media_type=OCI_LAYER_TYPE, is_dir=False)
-        layer["annotations"] = {"org.opencontainers.image.title": src.name}
-        _check(reg.upload_blob(str(src), container, layer), url)
-        with tempfile.TemporaryDirectory(prefix="kiln-oci-") as tmp:
-            config_path = Path(tmp, "config.json")
-            config_path.write_bytes(kiln_manifest.to_bytes())
-            config, _ = oci.ManifestConfig(str(config_path), OCI_CONFIG_TYPE)
-            _check(reg.upload_blob(str(config_path), container, config), url)
-        manifest = oci.NewManifest()
-        manifest["config"] = config
-        manifest["layers"] = [layer]
-        manifest["annotations"] = {
-            "org.opencontainers.image.title": kiln_manifest.name,
-            "dev.kiln.name": kiln_manifest.name,
-            "dev.kiln.spec-sha256": kiln_manifest.spec_sha256,
-            "dev.kiln.torch": str(kiln_manifest.fingerprint.get("torch.version")),
-            "dev.kiln.gpu": str(kiln_manifest.fingerprint.get("gpu.name") or "cpu"),
-        }
-        body = _canonical(manifest)
-        resp = _put_manifest(reg, container, None, body, OCI_MANIFEST_TYPE, url)
-        digest = resp.headers.get("Docker-Content-Digest") or _digest_of(body)
+        head = read_head(src)
+        if isinstance(head, BundleIndex):
+            return _push_bundle(reg, container, src, url, ref)
+        body, digest, layer = _push_artifact(reg, container, src, url, head, tag=None)
         return OciPushResult(
             dest=url,
             sha256=layer["digest"].removeprefix("sha256:"),
@@ -235,6 +285,148 @@ def fetch_attestations(url: str, deadline: Deadline) -> bytes:
     if not found:
         raise NotFoundError(f"{url}: no attestation attached in the registry")
     return b"\n".join(chunk.rstrip(b"\n") for chunk in found) + b"\n"
+
+
+def _push_artifact(
+    reg: Any,
+    container: Any,
+    src: Path,
+    url: str,
+    kiln_manifest: Any,
+    *,
+    tag: str | None,
+    annotations: dict[str, str] | None = None,
+) -> tuple[bytes, str, dict[str, Any]]:
+    """Upload one artifact: its layer, kiln's manifest as the config, and the image manifest,
+    put at the reference's tag (``tag`` None) or by its digest (``tag`` "": a bundle's
+    variant, which only the index names). Returns the manifest's bytes, digest and layer."""
+    oci = need_extra("oras.oci", "oci")
+    layer = oci.NewLayer(str(src), media_type=OCI_LAYER_TYPE, is_dir=False)
+    layer["annotations"] = {"org.opencontainers.image.title": src.name}
+    _check(reg.upload_blob(str(src), container, layer), url)
+    with tempfile.TemporaryDirectory(prefix="kiln-oci-") as tmp:
+        config_path = Path(tmp, "config.json")
+        config_path.write_bytes(kiln_manifest.to_bytes())
+        config, _ = oci.ManifestConfig(str(config_path), OCI_CONFIG_TYPE)
+        _check(reg.upload_blob(str(config_path), container, config), url)
+    manifest = oci.NewManifest()
+    manifest["config"] = config
+    manifest["layers"] = [layer]
+    manifest["annotations"] = {
+        "org.opencontainers.image.title": kiln_manifest.name,
+        "dev.kiln.name": kiln_manifest.name,
+        "dev.kiln.spec-sha256": kiln_manifest.spec_sha256,
+        "dev.kiln.torch": str(kiln_manifest.fingerprint.get("torch.version")),
+        "dev.kiln.gpu": str(kiln_manifest.fingerprint.get("gpu.name") or "cpu"),
+        **(annotations or {}),
+    }
+    body = _canonical(manifest)
+    digest = _digest_of(body)
+    resp = _put_manifest(reg, container, digest if tag == "" else tag, body, OCI_MANIFEST_TYPE, url)
+    return body, resp.headers.get("Docker-Content-Digest") or digest, layer
+
+
+def _push_bundle(reg: Any, container: Any, src: Path, url: str, ref: str) -> OciPushResult:
+    """A bundle as an image index: each variant pushed as an artifact (by digest), then the
+    index, at the reference's tag, one entry per variant with its selection annotations."""
+    from kiln.artifact.archive import read_manifest
+    from kiln.artifact.bundle import split_bundle
+
+    entries: list[dict[str, Any]] = []
+    with tempfile.TemporaryDirectory(prefix="kiln-oci-") as tmp:
+        for variant, path in split_bundle(src, Path(tmp)):
+            kiln_manifest = read_manifest(path)
+            annotations = {
+                VARIANT_ANNOTATIONS[k]: str(v)
+                for k, v in {"name": variant.name, **variant.selection()}.items()
+                if v is not None
+            }
+            annotations["dev.kiln.name"] = kiln_manifest.name
+            annotations.setdefault(VARIANT_ANNOTATIONS["gpu"], "cpu")  # as artifacts say it
+            body, digest, _ = _push_artifact(
+                reg, container, path, url, kiln_manifest, tag="", annotations=annotations
+            )
+            entry: dict[str, Any] = {
+                "mediaType": OCI_MANIFEST_TYPE,
+                "digest": digest,
+                "size": len(body),
+                "annotations": annotations,
+            }
+            platform = _platform(kiln_manifest.fingerprint.get("platform"))
+            if platform is not None:
+                entry["platform"] = platform
+            entries.append(entry)
+    index = {
+        "schemaVersion": 2,
+        "mediaType": OCI_INDEX_TYPE,
+        "manifests": entries,
+        "annotations": {"org.opencontainers.image.title": src.name, "dev.kiln.bundle": "1"},
+    }
+    body = _canonical(index)
+    resp = _put_manifest(reg, container, None, body, OCI_INDEX_TYPE, url)
+    digest = resp.headers.get("Docker-Content-Digest") or _digest_of(body)
+    return OciPushResult(
+        dest=url,
+        sha256=digest.removeprefix("sha256:"),
+        size=len(body),
+        manifest_digest=digest,
+        pinned=f"oci://{_repo(ref)}@{digest}",
+        manifest_size=len(body),
+    )
+
+
+def _platform(value: object) -> dict[str, str] | None:
+    """The OCI platform of a fingerprint's ``platform`` (``Linux-x86_64``), where it maps."""
+    if not isinstance(value, str) or "-" not in value:
+        return None
+    system, _, machine = value.partition("-")
+    arch = _ARCHITECTURES.get(machine.lower())
+    return {"architecture": arch, "os": system.lower()} if arch else None
+
+
+def _index_variants(doc: dict[str, Any], url: str) -> tuple[list[Any], dict[str, str]]:
+    """A bundle index's entries as selection candidates, and each one's manifest digest.
+
+    The registry's document is untrusted: entries are bounded in number, their annotations go
+    through the same model as a bundle file's index (:class:`kiln.artifact.bundle.Candidate`),
+    and two entries with one name or one selection key are refused.
+    """
+    from pydantic import ValidationError
+
+    from kiln.artifact.bundle import MAX_VARIANTS, Candidate
+
+    manifests = doc.get("manifests")
+    if not isinstance(manifests, list) or len(manifests) > MAX_VARIANTS:
+        raise IntegrityError(f"{url}: not a kiln bundle (at most {MAX_VARIANTS} index entries)")
+    candidates: list[Any] = []
+    digests: dict[str, str] = {}
+    keys: set[tuple[str | None, ...]] = set()
+    for entry in manifests:
+        annotations = entry.get("annotations") if isinstance(entry, dict) else None
+        digest = entry.get("digest") if isinstance(entry, dict) else None
+        if not isinstance(annotations, dict) or VARIANT_ANNOTATIONS["name"] not in annotations:
+            continue  # not a kiln variant (an attestation, someone else's entry)
+        if not isinstance(digest, str) or not re.fullmatch(r"sha256:[0-9a-f]{64}", digest):
+            raise IntegrityError(f"{url}: a bundle index entry without a sha256 digest")
+        fields = {k: annotations.get(a) for k, a in VARIANT_ANNOTATIONS.items()}
+        if fields["device"] == "cpu":
+            fields["gpu"] = None  # "cpu", as a plain artifact's manifest annotation says
+        try:
+            candidate = Candidate(**{k: v for k, v in fields.items() if v is not None})
+        except ValidationError as exc:
+            error = exc.errors(include_url=False, include_input=False)[0]
+            where = ".".join(map(str, error["loc"]))
+            raise IntegrityError(
+                f"{url}: bundle index entry refused: {where}: {error['msg']}"
+            ) from None
+        if candidate.name in digests or candidate.key in keys:
+            raise IntegrityError(f"{url}: bundle index lists {candidate.name!r} twice")
+        digests[candidate.name] = digest
+        keys.add(candidate.key)
+        candidates.append(candidate)
+    if not candidates:
+        raise IntegrityError(f"{url}: an image index without kiln variants")
+    return candidates, digests
 
 
 def _canonical(doc: dict[str, Any]) -> bytes:
