@@ -34,7 +34,7 @@ from kiln.artifact.swap import UNWRITABLE, Lock, clean_stale, dest_path, make_st
 from kiln.errors import IntegrityError, KilnError, UsageError
 from kiln.events import EventSink, Fetched, Fetching, ignore
 from kiln.files import CHUNK, atomic_write
-from kiln.serving import ENV_NAME, INDUCTOR_DIR, STATE_NAME, env_file_text
+from kiln.serving import ENV_NAME, INDUCTOR_DIR, RANKS_DIR, STATE_NAME, env_file_text
 
 
 @dataclass
@@ -60,7 +60,10 @@ class RestoreResult:
             "seconds": round(self.seconds, 3),
             "noop": self.noop,
             "env_file": str(self.env_file),
-            "cache_dir": str(self.dest / INDUCTOR_DIR),
+            "cache_dir": str(self.dest / INDUCTOR_DIR)
+            if self.manifest.distributed is None
+            else str(self.dest / RANKS_DIR),  # ranks/R/inductor: each rank's
+            "ranks": self.manifest.world_size,
         }
 
 
@@ -244,7 +247,9 @@ def _restore_locked(
         if fetched.downloaded:
             fetched.path.unlink()
         (tree / MANIFEST_NAME).write_bytes(manifest.to_bytes())
-        (tree / ENV_NAME).write_text(env_file_text(dest, manifest.name, manifest.env))
+        (tree / ENV_NAME).write_text(
+            env_file_text(dest, manifest.name, manifest.env, manifest.world_size)
+        )
         state = {"artifact_sha256": unpacked, "source": source, "restored": time.time()}
         (tree / STATE_NAME).write_text(json.dumps(state))
         check_stage(tree, dest, manifest)
@@ -279,7 +284,7 @@ def _result(
     return RestoreResult(
         dest=dest,
         sha256=digest,
-        files=len(manifest.files),
+        files=len(manifest.entries()),
         bytes=manifest.total_bytes,
         seconds=time.time() - t0,
         noop=noop,

@@ -27,7 +27,16 @@ from pathlib import Path
 from typing import Any
 
 from kiln.artifact.archive import sha256_file, source_date_epoch, write_artifact
-from kiln.artifact.manifest import Manifest, PassStats
+from kiln.artifact.manifest import (
+    RANKS_FORMAT,
+    CopyEntry,
+    Distributed,
+    FileEntry,
+    Manifest,
+    PassStats,
+    RankCaches,
+)
+from kiln.compiler import ranks
 from kiln.compiler.capture import capture, payload_sha256
 from kiln.compiler.launch import WorkerRun, run_worker
 from kiln.compiler.protocol import WorkerRequest
@@ -38,8 +47,10 @@ from kiln.serving import (
     INDUCTOR_DIR,
     MEGACACHE_NAME,
     PRECOMPILED_NAME,
+    RANKS_DIR,
     cold_torch_kwargs,
     compile_env,
+    rank_dir,
     torch_kwargs,
 )
 from kiln.spec import MAX_PASSES, Spec, load_spec
@@ -97,8 +108,10 @@ def bake(
     with _stable_workdir(spec.name) as work:
         runs, pass_stats = _compile_passes(spec, buckets, work, passes, emit)
         emit(Capturing())
-        files = capture(work / INDUCTOR_DIR, work / MEGACACHE_NAME, work / PRECOMPILED_NAME)
+        files, copies = _capture(spec, work)
         manifest = _manifest(spec, buckets, runs, pass_stats, files)
+        if spec.distributed:
+            manifest = _with_ranks(spec, manifest, runs, copies)
         emit(Packing(total=sum(f.size for f in files)))
         sha, size = write_artifact(out, manifest, work, on_bytes=lambda n: emit(Packed(bytes=n)))
         kept = _keep(work, keep_workdir) if keep_workdir is not None else None
@@ -111,6 +124,66 @@ def bake(
         workdir=kept,
         runs=runs,
     )
+
+
+def _capture(spec: Spec, work: Path) -> tuple[list[FileEntry], list[CopyEntry]]:
+    """The files of ``work``'s layout; for K ranks, each rank's under ``ranks/R/``, every file
+    identical to a lower rank's stored once (the rest are copies at restore)."""
+    if spec.distributed is None:
+        return capture(work / INDUCTOR_DIR, work / MEGACACHE_NAME, work / PRECOMPILED_NAME), []
+    by_rank = []
+    for rank in range(spec.world_size):
+        folder = rank_dir(work, rank)
+        prefix = f"{RANKS_DIR}/{rank}/"
+        entries = capture(folder / INDUCTOR_DIR, folder / MEGACACHE_NAME, folder / PRECOMPILED_NAME)
+        by_rank.append([e.model_copy(update={"path": prefix + e.path}) for e in entries])
+    return ranks.store_once(by_rank)
+
+
+def _with_ranks(
+    spec: Spec, manifest: Manifest, runs: list[WorkerRun], copies: list[CopyEntry]
+) -> Manifest:
+    """``manifest`` as a K-rank artifact (format 2): every rank's fingerprint, grid, passes and
+    blobs, and the copies; the top-level fields are rank 0's."""
+    assert spec.distributed is not None
+    listed = {f.path for f in manifest.files} | {c.path for c in copies}
+
+    def blob(rank: int, name: str) -> str | None:
+        path = f"{RANKS_DIR}/{rank}/{name}"
+        return path if path in listed else None
+
+    per_rank = [
+        RankCaches(
+            rank=rank,
+            fingerprint=runs[0].results[rank].fingerprint or {},
+            grid=_sorted_grid(runs[0].results[rank].buckets, manifest.grid),
+            passes=[
+                PassStats(order=p.order, compiles=run.results[rank].compiles, wall_s=p.wall_s)
+                for p, run in zip(manifest.passes, runs, strict=True)
+            ],
+            megacache=blob(rank, MEGACACHE_NAME),
+            precompiled=blob(rank, PRECOMPILED_NAME),
+        )
+        for rank in range(spec.world_size)
+    ]
+    distributed = Distributed(
+        world_size=spec.world_size, backend=spec.distributed.backend, ranks=per_rank
+    )
+    update = {
+        "format": RANKS_FORMAT,
+        "distributed": distributed,
+        "copies": copies,
+        "megacache": per_rank[0].megacache,
+        "precompiled": per_rank[0].precompiled,
+    }
+    out = Manifest.model_validate({**manifest.model_dump(), **update})
+    # Every file a restore installs, copies included: a copy changed is a different payload.
+    return out.model_copy(update={"payload_sha256": payload_sha256(out.entries())})
+
+
+def _sorted_grid(buckets: list[Any], like: list[Any]) -> list[Any]:
+    order = {b.key: i for i, b in enumerate(like)}
+    return sorted(buckets, key=lambda b: order[b.key])
 
 
 def _pass_count(spec: Spec, passes: int | None) -> tuple[int, bool]:
@@ -166,7 +239,8 @@ def _compile_passes(
         request = (first if i == 0 else later).replace(order=keys)
         run = run_worker(spec, request, env, on_event=emit)
         runs.append(run)
-        compiles = run.result.compiles
+        # A pass is quiet only when every rank compiled nothing.
+        compiles = sum(result.compiles for result in run.results)
         pass_stats.append(PassStats(order=keys, compiles=compiles, wall_s=run.wall_s))
         if auto and i > 0 and compiles == 0:
             break

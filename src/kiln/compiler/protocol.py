@@ -45,6 +45,10 @@ class WorkerRequest(_Message):
     precompile_load: str | None = Field(None, description="serve from these precompiled forwards")
     fingerprint: bool = Field(False, description="record this process's environment fingerprint")
     device_index: int = Field(0, ge=0)
+    env: dict[str, str] = Field(
+        default_factory=dict,
+        description="set before torch is imported: a rank's cache folders (kiln.compiler.ranks)",
+    )
 
     @model_validator(mode="after")
     def _precompile_compiles(self) -> WorkerRequest:
