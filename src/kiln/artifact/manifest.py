@@ -215,6 +215,9 @@ class RankCaches(_Model):
     passes: list[PassStats] = Field(default_factory=list)
     megacache: str | None = None
     precompiled: str | None = None
+    same_as: int | None = Field(
+        None, ge=0, description="rank 0 when this rank's folder holds rank 0's caches (same keys)"
+    )
 
 
 class Distributed(_Model):
@@ -232,6 +235,9 @@ class Distributed(_Model):
             raise ValueError(
                 f"distributed.ranks must be ranks 0..{self.world_size - 1} in order, got {found}"
             )
+        for r in self.ranks:
+            if r.same_as not in (None, 0):
+                raise ValueError(f"rank {r.rank} is served from rank {r.same_as}: only 0 or itself")
         return self
 
 

@@ -29,7 +29,6 @@ from typing import Any
 from kiln.artifact.archive import sha256_file, source_date_epoch, write_artifact
 from kiln.artifact.manifest import (
     RANKS_FORMAT,
-    CopyEntry,
     Distributed,
     FileEntry,
     Manifest,
@@ -108,10 +107,10 @@ def bake(
     with _stable_workdir(spec.name) as work:
         runs, pass_stats = _compile_passes(spec, buckets, work, passes, emit)
         emit(Capturing())
-        files, copies = _capture(spec, work)
+        files, stored = _capture(spec, work)
         manifest = _manifest(spec, buckets, runs, pass_stats, files)
-        if spec.distributed:
-            manifest = _with_ranks(spec, manifest, runs, copies)
+        if stored is not None:
+            manifest = _with_ranks(spec, manifest, runs, stored)
         emit(Packing(total=sum(f.size for f in files)))
         sha, size = write_artifact(out, manifest, work, on_bytes=lambda n: emit(Packed(bytes=n)))
         kept = _keep(work, keep_workdir) if keep_workdir is not None else None
@@ -126,26 +125,28 @@ def bake(
     )
 
 
-def _capture(spec: Spec, work: Path) -> tuple[list[FileEntry], list[CopyEntry]]:
-    """The files of ``work``'s layout; for K ranks, each rank's under ``ranks/R/``, every file
-    identical to a lower rank's stored once (the rest are copies at restore)."""
+def _capture(spec: Spec, work: Path) -> tuple[list[FileEntry], ranks.Stored | None]:
+    """The files of ``work``'s layout; for K ranks, each rank's under ``ranks/R/``, stored once
+    where ranks share them (:func:`kiln.compiler.ranks.store_once`; the rest are copies)."""
     if spec.distributed is None:
-        return capture(work / INDUCTOR_DIR, work / MEGACACHE_NAME, work / PRECOMPILED_NAME), []
+        return capture(work / INDUCTOR_DIR, work / MEGACACHE_NAME, work / PRECOMPILED_NAME), None
     by_rank = []
     for rank in range(spec.world_size):
         folder = rank_dir(work, rank)
         prefix = f"{RANKS_DIR}/{rank}/"
         entries = capture(folder / INDUCTOR_DIR, folder / MEGACACHE_NAME, folder / PRECOMPILED_NAME)
         by_rank.append([e.model_copy(update={"path": prefix + e.path}) for e in entries])
-    return ranks.store_once(by_rank)
+    stored = ranks.store_once(by_rank)
+    return stored.files, stored
 
 
 def _with_ranks(
-    spec: Spec, manifest: Manifest, runs: list[WorkerRun], copies: list[CopyEntry]
+    spec: Spec, manifest: Manifest, runs: list[WorkerRun], stored: ranks.Stored
 ) -> Manifest:
     """``manifest`` as a K-rank artifact (format 2): every rank's fingerprint, grid, passes and
     blobs, and the copies; the top-level fields are rank 0's."""
     assert spec.distributed is not None
+    copies = stored.copies
     listed = {f.path for f in manifest.files} | {c.path for c in copies}
 
     def blob(rank: int, name: str) -> str | None:
@@ -163,6 +164,7 @@ def _with_ranks(
             ],
             megacache=blob(rank, MEGACACHE_NAME),
             precompiled=blob(rank, PRECOMPILED_NAME),
+            same_as=stored.same_as[rank],
         )
         for rank in range(spec.world_size)
     ]
