@@ -352,6 +352,9 @@ class Manifest(_Model):
                 raise ValueError(
                     f"{_shown(path)} is in no rank folder ({RANKS_DIR}/0..{world - 1}/)"
                 )
+        first = self.distributed.ranks[0] if self.distributed.ranks else None
+        if first and (self.megacache, self.precompiled) != (first.megacache, first.precompiled):
+            raise ValueError("megacache and precompiled of a distributed artifact are rank 0's")
         for r in self.distributed.ranks:
             for field, value in (("megacache", r.megacache), ("precompiled", r.precompiled)):
                 if value is not None and rank_of(value) != r.rank:
