@@ -15,7 +15,7 @@ from hypothesis import strategies as st
 from pydantic import ValidationError
 
 from kiln.artifact.archive import parse_manifest
-from kiln.artifact.manifest import CopyEntry, FileEntry, Manifest
+from kiln.artifact.manifest import FileEntry, Manifest
 from kiln.artifact.restore import restore
 from kiln.errors import IntegrityError, KilnError, SpecError, UsageError
 from kiln.serving import env_file_text, serving_rank
@@ -375,6 +375,7 @@ def test_activate_needs_the_rank_of_a_k_rank_artifact(tmp_path: Path, monkeypatc
 
 
 # --- the real thing: 2 ranks, gloo, all_reduce in forward ----------------------------------
+@pytest.mark.slow  # ~2 min on 2 cores: 2 compiling ranks, then 3 verifies of 2 ranks each
 def test_two_rank_bake_restore_verify_hits_on_both_ranks(tmp_path: Path) -> None:
     """Baked by 2 ranks under torchrun, restored at a new path, verified in two shuffled orders
     and the reverse one: zero compiles on both ranks; each rank's folder and fingerprint are in
