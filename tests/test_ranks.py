@@ -406,6 +406,19 @@ def test_two_rank_bake_restore_verify_hits_on_both_ranks(tmp_path: Path) -> None
         kiln.verify(spec_path, dest)
 
 
+def test_a_k_rank_bake_inside_someone_elses_launch_is_refused(
+    tmp_path: Path, monkeypatch: Any
+) -> None:
+    import kiln
+
+    spec_path = tmp_path / "tp.yaml"
+    spec_path.write_text(tp_spec())
+    monkeypatch.setenv("RANK", "0")
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    with pytest.raises(UsageError, match="starts the 2 ranks itself"):
+        kiln.bake(spec_path, tmp_path / "x.kiln.tar.zst")
+
+
 def test_a_factory_without_rank_kwargs_is_the_specs_problem(tmp_path: Path) -> None:
     import kiln
 

@@ -137,6 +137,11 @@ def run_worker(
     heartbeat_s = heartbeat_interval()
     request = request.replace(spec_path=str(spec.path))
     world = spec.world_size if spec.distributed else 0
+    if world and ranks.current() is not None:
+        raise UsageError(
+            f"{spec.name}: run kiln once, outside torchrun: it starts the "
+            f"{world} ranks itself (this process is rank {os.environ['RANK']} of a launch)"
+        )
     requests = ranks.rank_requests(request, env, world) if world else [request]
     suffix = ranks.RANK_PLACEHOLDER if world else ""  # each rank reads and writes its own
     with tempfile.TemporaryDirectory(prefix="kiln-worker-") as tmp:
