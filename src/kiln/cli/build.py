@@ -61,7 +61,7 @@ def bake_cmd(
         print_table(c, bucket_table(m.grid, f"{m.name}: {len(m.grid)} buckets baked"))
         c.print(
             f"wrote [bold]{esc(result.artifact)}[/] ({human_bytes(result.size)}, "
-            f"{len(m.files)} files, "
+            f"{len(m.entries())} files, "
             f"{human_bytes(m.total_bytes)} unpacked) in {result.wall_s:.1f}s"
         )
         c.print(f"sha256 {result.sha256}")

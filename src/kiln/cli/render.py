@@ -189,7 +189,9 @@ def manifest_view(console: Console, m: Manifest, digest: str | None = None) -> N
         console.print(plain(f"serve with torch.compile({args})"))
     print_table(console, fingerprint_table(m.fingerprint, "baked on"))
     print_table(console, bucket_table(m.grid, f"grid: {len(m.grid)} buckets"))
-    kinds = Table(title=f"{len(m.files)} files, {human_bytes(m.total_bytes)}", title_justify="left")
+    kinds = Table(
+        title=f"{len(m.entries())} files, {human_bytes(m.total_bytes)}", title_justify="left"
+    )
     kinds.add_column("kind")
     kinds.add_column("files", justify="right")
     kinds.add_column("bytes", justify="right")

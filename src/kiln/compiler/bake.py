@@ -74,7 +74,7 @@ class BakeResult:
             "size": self.size,
             "name": self.manifest.name,
             "buckets": len(self.manifest.grid),
-            "files": len(self.manifest.files),
+            "files": len(self.manifest.entries()),
             "passes": len(self.manifest.passes),
             "totals": self.manifest.totals,
             "wall_s": round(self.wall_s, 3),
