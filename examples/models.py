@@ -208,3 +208,40 @@ def encoder(
     """The GPU reference encoder with a graph break (BERT-base width, 6 layers)."""
     torch.manual_seed(0)
     return TokenEncoder(vocab, dim, layers, heads, break_after)
+
+
+class TensorParallelMLP(nn.Module):
+    """Rank ``rank``'s shard of a Megatron-style MLP: a column-parallel linear (this rank's
+    ``hidden / world_size`` output features), then a row-parallel linear (the matching input
+    features), whose partial sums are added across ranks with ``all_reduce`` in forward. Every
+    rank builds the full weights from one seed and keeps its slice, so the ranks together
+    compute exactly the unsharded MLP."""
+
+    def __init__(self, dim: int, hidden: int, rank: int, world_size: int) -> None:
+        super().__init__()
+        if hidden % world_size:
+            raise ValueError(f"hidden={hidden} does not split over {world_size} ranks")
+        torch.manual_seed(0)
+        up, down = nn.Linear(dim, hidden), nn.Linear(hidden, dim)
+        part = hidden // world_size
+        rows = slice(rank * part, (rank + 1) * part)
+        self.up = nn.Linear(dim, part)
+        self.down = nn.Linear(part, dim, bias=False)
+        with torch.no_grad():
+            self.up.weight.copy_(up.weight[rows])
+            self.up.bias.copy_(up.bias[rows])
+            self.down.weight.copy_(down.weight[:, rows])
+        self.down_bias = nn.Parameter(down.bias.detach().clone())
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        import torch.distributed as dist
+
+        partial = self.down(F.gelu(self.up(x)))
+        if dist.is_available() and dist.is_initialized():
+            dist.all_reduce(partial)
+        return partial + self.down_bias
+
+
+def tp_mlp(dim: int = 64, hidden: int = 256, *, rank: int, world_size: int) -> nn.Module:
+    """A distributed spec's factory: kiln passes ``rank=`` and ``world_size=``."""
+    return TensorParallelMLP(dim, hidden, rank, world_size)

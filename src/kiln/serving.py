@@ -38,6 +38,13 @@ PRECOMPILED_NAME = "precompiled.bin"  # serialized AOT forwards (compile.precomp
 MANIFEST_NAME = "manifest.json"  # an artifact's first member; restore writes its own copy
 ENV_NAME = "kiln.env"  # written by restore, never shipped
 STATE_NAME = ".kiln-installed.json"  # written by restore, never shipped
+# A K-rank artifact keeps rank R's layout (inductor/, megacache.bin, precompiled.bin) under
+# ranks/R/ instead of at the top; a serving rank reads its own folder (:func:`rank_dir`).
+RANKS_DIR = "ranks"
+MAX_WORLD_SIZE = 64  # ranks of one launch: a spec's distributed.world_size, a manifest's ranks
+# Where a serving process learns its rank: torchrun sets both (RANK is global, LOCAL_RANK the
+# machine's); the first one set wins.
+RANK_VARS = ("RANK", "LOCAL_RANK")
 # Top-level names restore writes itself: a manifest listing a file or folder under one is refused.
 RESERVED_NAMES = frozenset({MANIFEST_NAME, ENV_NAME, STATE_NAME})
 
@@ -159,32 +166,94 @@ def worker_env(extra: Mapping[str, str]) -> dict[str, str]:
     return env
 
 
-def cache_env(dest: Path, env: Mapping[str, str]) -> dict[str, str]:
+def rank_dir(dest: Path, rank: int | None) -> Path:
+    """Where rank ``rank``'s layout lives under ``dest`` (None: a 1-rank artifact, ``dest``)."""
+    return dest if rank is None else dest / RANKS_DIR / str(rank)
+
+
+def serving_rank(world_size: int, environ: Mapping[str, str] | None = None) -> int:
+    """This process's rank among ``world_size``, from ``RANK`` or else ``LOCAL_RANK``.
+
+    Raises ValueError, naming the variable, when neither is set or the value is no rank of this
+    artifact: serving rank 1 from rank 0's caches would compile everything, silently.
+    """
+    environ = os.environ if environ is None else environ
+    for var in RANK_VARS:
+        text = environ.get(var)
+        if text is None or text == "":
+            continue
+        if not (text.isdecimal() and str(int(text)) == text and int(text) < world_size):
+            raise ValueError(f"{var}={text!r} is not a rank of this {world_size}-rank artifact")
+        return int(text)
+    raise ValueError(
+        f"a {world_size}-rank artifact needs RANK or LOCAL_RANK to pick its rank's caches "
+        "(set in each rank's process, as torchrun does)"
+    )
+
+
+def cache_env(dest: Path, env: Mapping[str, str], rank: int | None = None) -> dict[str, str]:
     """The environment a serving process needs to hit the caches restored at ``dest``.
 
     ``env`` is the manifest's, already checked by :func:`env_key_problem`; kiln's own locations
-    come last so nothing can override them.
+    come last so nothing can override them. ``rank``: this process's rank in a K-rank artifact
+    (its caches are under :func:`rank_dir`); ``KILN_CACHE_DIR`` stays the restored folder.
     """
     return {
         **env,
-        "TORCHINDUCTOR_CACHE_DIR": str(dest / INDUCTOR_DIR),
+        "TORCHINDUCTOR_CACHE_DIR": str(rank_dir(dest, rank) / INDUCTOR_DIR),
         "KILN_CACHE_DIR": str(dest),
     }
 
 
-def env_file_text(dest: Path, name: str, env: Mapping[str, str]) -> str:
+def env_file_text(dest: Path, name: str, env: Mapping[str, str], world_size: int = 1) -> str:
     """``kiln.env``: :func:`cache_env` as shell ``export`` lines, every value quoted.
 
     Keys are re-checked here even though the manifest reader checked them: this text is run by
-    a shell, so it must be safe whatever the caller passed.
+    a shell, so it must be safe whatever the caller passed. For a K-rank artifact the cache
+    folder depends on the rank of the process that sources the file, so that one line is shell
+    code (:func:`_rank_lines`): the restored path stays single-quoted, the rank is checked to be
+    a number below K before it is used, and nothing else is expanded.
     """
     source = _comment(str(dest / ENV_NAME))
     lines = [f"# written by kiln restore for {_comment(name)}: `. {source}` to serve"]
+    if world_size > 1:
+        lines.append(f"# {world_size} ranks: source it in each rank's process (RANK or LOCAL_RANK)")
     for key, value in cache_env(dest, env).items():
         if not ENV_KEY_PATTERN.fullmatch(key):
             raise ValueError(f"refusing to write environment key {key!r}")
+        if key == "TORCHINDUCTOR_CACHE_DIR" and world_size > 1:
+            lines.extend(_rank_lines(dest, world_size))
+            continue
         lines.append(f"export {key}={shlex.quote(value)}")
     return "\n".join(lines) + "\n"
+
+
+def _rank_lines(dest: Path, world_size: int) -> list[str]:
+    """POSIX sh that exports ``TORCHINDUCTOR_CACHE_DIR`` for the sourcing process's rank.
+
+    ``$RANK`` (else ``$LOCAL_RANK``) must be a plain decimal number (no sign, no leading zero)
+    below ``world_size``; otherwise the variable is unset and one line on stderr says why, so
+    the server runs without a cache folder rather than with another rank's (``kiln verify`` then
+    fails on the compiles). The rank is only used, double-quoted, after that check; the path
+    around it is single-quoted like every other value.
+    """
+    base = shlex.quote(str(dest / RANKS_DIR))
+    inductor = shlex.quote(INDUCTOR_DIR)
+    return [
+        'kiln_rank="${RANK:-${LOCAL_RANK:-}}"',
+        "kiln_rank_ok=0",
+        'case "$kiln_rank" in',
+        f'  0|[1-9]|[1-9][0-9]) [ "$kiln_rank" -lt {world_size} ] && kiln_rank_ok=1 ;;',
+        "esac",
+        'if [ "$kiln_rank_ok" = 1 ]; then',
+        f'  export TORCHINDUCTOR_CACHE_DIR={base}/"$kiln_rank"/{inductor}',
+        "else",
+        "  unset TORCHINDUCTOR_CACHE_DIR",
+        f"  printf '%s\\n' \"kiln.env: RANK/LOCAL_RANK='$kiln_rank' is not a rank of this"
+        f' {world_size}-rank artifact: no cache folder set" >&2',
+        "fi",
+        "unset kiln_rank kiln_rank_ok",
+    ]
 
 
 def _comment(text: str) -> str:

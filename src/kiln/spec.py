@@ -24,7 +24,13 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, ValidationError, model_validator
 
 from kiln.errors import SpecError
-from kiln.serving import ENV_ALLOWED_PREFIXES, MAX_NAME_LENGTH, NAME_PATTERN, env_key_problem
+from kiln.serving import (
+    ENV_ALLOWED_PREFIXES,
+    MAX_NAME_LENGTH,
+    MAX_WORLD_SIZE,
+    NAME_PATTERN,
+    env_key_problem,
+)
 from kiln.serving import autotunes as _autotunes
 from kiln.serving import inductor_options as _inductor_options
 
@@ -46,6 +52,8 @@ MAX_INPUT_ELEMENTS = 2**31  # elements of one input at the grid's largest sizes
 MAX_BUCKETS = 4096  # points of the grid before `exclude` (each one is a compile)
 MAX_CALLS = 1000  # warmup.calls
 MAX_PASSES = 8  # warmup.passes (automatic: at most 4)
+# Keyword arguments a distributed spec's factory receives, so it can build its shard.
+RANK_KWARGS = ("rank", "world_size")
 # The values torch.randint can draw for each dtype, as (lowest low, highest high); high is
 # exclusive. float16 stops at its largest finite value; float32/bfloat16 reach past int64.
 RANDINT_RANGE: dict[str, tuple[int, int]] = {
@@ -158,6 +166,23 @@ class WarmupSpec(_Strict):
     )
 
 
+class DistributedSpec(_Strict):
+    """K ranks, one process each, launched by torch's own launcher (``torch.distributed.run``).
+
+    Each rank compiles its own graphs (its shard, its collectives) into its own cache root; the
+    factory gets ``rank=`` and ``world_size=`` to build its shard.
+    """
+
+    world_size: int = Field(
+        ge=1,
+        le=MAX_WORLD_SIZE,
+        description="ranks (processes); cuda: one GPU each (cuda:LOCAL_RANK)",
+    )
+    backend: Literal["gloo", "nccl"] = Field(
+        description="torch.distributed backend: gloo (CPU) or nccl (CUDA)"
+    )
+
+
 class Spec(_Strict):
     name: str = Field(pattern=NAME_PATTERN, max_length=MAX_NAME_LENGTH, description="artifact name")
     model: ModelSpec
@@ -166,6 +191,9 @@ class Spec(_Strict):
     buckets: dict[str, list[Size]] = Field(min_length=1)
     exclude: list[dict[str, int]] = Field(default_factory=list)
     warmup: WarmupSpec = Field(default_factory=WarmupSpec)
+    distributed: DistributedSpec | None = Field(
+        None, description="tensor-parallel ranks; absent: one process, as before"
+    )
     env: dict[str, str | int | float | bool] = Field(
         default_factory=dict,
         description=(
@@ -237,7 +265,23 @@ class Spec(_Strict):
             problem = env_key_problem(key)
             if problem:
                 raise _LocatedValueError(("env", key), problem)
+        self._check_distributed()
         return self
+
+    def _check_distributed(self) -> None:
+        """A backend that cannot run on the device, or kwargs that would shadow the rank."""
+        if self.distributed is None:
+            return
+        if self.distributed.backend == "nccl" and self.model.device != "cuda":
+            raise _LocatedValueError(
+                ("distributed", "backend"), "nccl needs model.device: cuda (use gloo on the CPU)"
+            )
+        for key in RANK_KWARGS:
+            if key in self.model.kwargs:
+                raise _LocatedValueError(
+                    ("model", "kwargs", key),
+                    f"{key!r} is passed by kiln to a distributed spec's factory (each rank's own)",
+                )
 
     # --- derived facts -------------------------------------------------------------------
     @property
@@ -249,7 +293,15 @@ class Spec(_Strict):
         return self._path.parent if self._path else Path.cwd()
 
     def canonical(self) -> dict[str, Any]:
-        return self.model_dump(mode="json")
+        out = self.model_dump(mode="json")
+        if self.distributed is None:  # a 1-rank spec's digest stays what it was before ranks
+            del out["distributed"]
+        return out
+
+    @property
+    def world_size(self) -> int:
+        """Ranks this spec runs as: 1 unless it has a ``distributed`` section."""
+        return self.distributed.world_size if self.distributed else 1
 
     def sha256(self) -> str:
         """Digest of the spec's meaning (not its formatting): what bake and verify must share."""

@@ -69,7 +69,7 @@ def check_stage(tree: Path, dest: Path, manifest: Manifest) -> None:
     The extractor wrote and checked every file, but the staging folder sits beside DEST where
     other processes can reach it; a tree missing files (or with others added) is never swapped.
     """
-    expected = {f.path: f.size for f in manifest.files}
+    expected = {f.path: f.size for f in manifest.entries()}
     own = {MANIFEST_NAME, ENV_NAME, STATE_NAME}
     found: dict[str, int] = {}
     odd: list[str] = []
@@ -230,8 +230,9 @@ def extract_members(
         dirs = {str(parent) for f in manifest.files for parent in PurePosixPath(f.path).parents}
         for f in allowed:
             safe_member_name(f)
-        require_space(tree, manifest.total_bytes, f"{len(allowed)} files")
-        total = manifest.total_bytes
+        # Copies are written after the archive's files: the space covers both.
+        require_space(tree, manifest.total_bytes, f"{len(manifest.entries())} files")
+        total = manifest.stored_bytes
         emit(Extracting(bytes=0, total=total))
         seen: set[str] = set()
         done = 0
@@ -271,4 +272,32 @@ def extract_members(
     missing = sorted(set(allowed) - seen)
     if missing:
         raise IntegrityError(f"artifact is missing {len(missing)} file(s), e.g. {missing[0]!r}")
+    write_copies(tree, manifest)
     return manifest
+
+
+def write_copies(tree: Path, manifest: Manifest) -> None:
+    """Write each of the manifest's copies from its stored file, already unpacked and checked.
+
+    A copy is a new regular file (``open(..., "xb")``: never through a link, never over an
+    existing file), read from its source without following links, and hashed as it is written
+    against the source's manifest entry: a source changed on disk meanwhile is exit 3, not a
+    wrong file installed. Copies, not links: a serving rank that writes into its cache folder
+    (a miss) can never change another rank's files.
+    """
+    stored = {f.path: f for f in manifest.files}
+    for copy in manifest.copies:
+        entry = stored[copy.source]  # the manifest's own rule: a copy's source is stored
+        target = tree / safe_member_name(copy.path)
+        target.parent.mkdir(parents=True, exist_ok=True)
+        flags = os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC
+        fd = os.open(tree / safe_member_name(copy.source), flags)
+        h = hashlib.sha256()
+        with os.fdopen(fd, "rb") as src, open(target, "xb") as out:
+            if not stat.S_ISREG(os.fstat(fd).st_mode):
+                raise IntegrityError(f"{copy.source!r}: not a regular file in the staged tree")
+            while chunk := src.read(CHUNK):
+                h.update(chunk)
+                out.write(chunk)
+        if h.hexdigest() != entry.sha256:
+            raise IntegrityError(f"{copy.path!r}: its copy's sha256 differs from the manifest")

@@ -23,13 +23,19 @@ from kiln._version import __version__
 from kiln.serving import MANIFEST_NAME as MANIFEST_NAME  # re-exported: imported from here
 from kiln.serving import (
     MAX_NAME_LENGTH,
+    MAX_WORLD_SIZE,
     NAME_PATTERN,
+    RANKS_DIR,
     RESERVED_NAMES,
     env_key_problem,
     env_value_problem,
 )
 
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2  # the newest format this kiln reads
+# Format 2 adds ``distributed`` and ``copies``: a kiln that reads only format 1 would ignore
+# them and install half of a K-rank artifact, so only manifests that use them are written as 2
+# (a 1-rank artifact stays format 1, readable by older kilns).
+RANKS_FORMAT = 2
 
 # --- bounds on what an archive may ask of a reader ------------------------------------------
 # A real manifest is ~200-250 bytes per file plus ~25 KB of fingerprint: 8 MiB is ~35,000
@@ -258,8 +264,72 @@ class ShardInfo(_Model):
         return f"{','.join(map(str, self.indexes))}/{self.count}"
 
 
+class CopyEntry(_Model):
+    """A file restore writes as a copy of a stored file: bytes identical across ranks are stored
+    once. ``source`` must be a stored file (a ``files`` entry), never another copy, so a copy
+    carries that entry's size and sha256 and is checked against them when it is written."""
+
+    path: str
+    source: str
+
+    @field_validator("path", "source")
+    @classmethod
+    def _safe_path(cls, path: str) -> str:
+        problem = path_problem(path)
+        if problem:
+            raise ValueError(problem)
+        return path
+
+
+class RankCaches(_Model):
+    """One rank of a K-rank artifact: what it compiled and in which environment.
+
+    Its files are those under ``ranks/RANK/`` (stored or copies); a serving rank's
+    ``TORCHINDUCTOR_CACHE_DIR`` is ``ranks/RANK/inductor`` (:func:`kiln.serving.rank_dir`).
+    """
+
+    rank: int = Field(ge=0, lt=MAX_WORLD_SIZE)
+    fingerprint: dict[str, Any] = Field(description="this rank's process, device index included")
+    grid: list[BucketStats] = Field(default_factory=list, description="this rank's bake pass")
+    passes: list[PassStats] = Field(default_factory=list)
+    megacache: str | None = None
+    precompiled: str | None = None
+    same_as: int | None = Field(
+        None, ge=0, description="rank 0 when this rank's folder holds rank 0's caches (same keys)"
+    )
+
+
+class Distributed(_Model):
+    """The per-rank layout of a K-rank artifact (``spec.distributed``): explicit, so merging
+    shards or bundling artifacts can pair up ranks without guessing from paths."""
+
+    world_size: int = Field(ge=1, le=MAX_WORLD_SIZE)
+    backend: str = Field(max_length=32)
+    ranks: list[RankCaches]
+
+    @model_validator(mode="after")
+    def _every_rank_once(self) -> Distributed:
+        found = [r.rank for r in self.ranks]
+        if found != list(range(self.world_size)):
+            raise ValueError(
+                f"distributed.ranks must be ranks 0..{self.world_size - 1} in order, got {found}"
+            )
+        for r in self.ranks:
+            if r.same_as not in (None, 0):
+                raise ValueError(f"rank {r.rank} is served from rank {r.same_as}: only 0 or itself")
+        return self
+
+
+def rank_of(path: str) -> int | None:
+    """The rank whose folder holds ``path`` (``ranks/R/...``), None outside every rank folder."""
+    parts = path.split("/")
+    if len(parts) >= 3 and parts[0] == RANKS_DIR and parts[1].isdecimal():
+        return int(parts[1]) if str(int(parts[1])) == parts[1] else None
+    return None
+
+
 class Manifest(_Model):
-    format: int = Field(default=FORMAT_VERSION, ge=1)
+    format: int = Field(default=1, ge=1)
     kiln_version: str = __version__
     name: str
     created: str  # ISO 8601, from SOURCE_DATE_EPOCH when set (reproducible builds)
@@ -288,6 +358,11 @@ class Manifest(_Model):
     proof: ProofStats | None = None  # None: the bake was not proven (--no-prove, older kilns)
     # The slices of the grid this artifact holds (None: the whole grid, baked in one process).
     shard: ShardInfo | None = None
+    # A K-rank artifact (format 2): each rank's fingerprint, grid and blobs; the top-level
+    # fingerprint, grid, passes, megacache and precompiled are rank 0's.
+    distributed: Distributed | None = None
+    # Files restore writes as copies of stored ones (format 2; see CopyEntry).
+    copies: list[CopyEntry] = Field(default_factory=list, max_length=MAX_FILES)
 
     @field_validator("name")
     @classmethod
@@ -313,36 +388,88 @@ class Manifest(_Model):
     @model_validator(mode="after")
     def _consistent_files(self) -> Manifest:
         """Rules across entries: each is one distinct file restore can create and own."""
+        stored = {entry.path: entry for entry in self.files}
         paths: set[str] = set()
-        for entry in self.files:
-            if entry.path in paths:
-                raise ValueError(f"{_shown(entry.path)} is listed twice")
-            paths.add(entry.path)
-            top = entry.path.split("/", 1)[0]
+        for path in [entry.path for entry in self.files] + [c.path for c in self.copies]:
+            if path in paths:
+                raise ValueError(f"{_shown(path)} is listed twice")
+            paths.add(path)
+            top = path.split("/", 1)[0]
             if top in RESERVED_NAMES:
-                raise ValueError(f"{_shown(entry.path)}: restore writes {top} itself")
+                raise ValueError(f"{_shown(path)}: restore writes {top} itself")
         clash = paths & folders_of(list(paths))
         if clash:
             raise ValueError(f"{_shown(min(clash))} is listed as a file and as a folder")
-        total = sum(entry.size for entry in self.files)
+        if len(paths) > MAX_FILES:
+            raise ValueError(f"{len(paths)} files and copies (at most {MAX_FILES})")
+        for copy in self.copies:
+            if copy.source not in stored:
+                raise ValueError(f"copy {_shown(copy.path)}: its source is not a stored file")
+        total = self.total_bytes
         if total > MAX_TOTAL_BYTES:
             raise ValueError(f"files add up to {total} bytes (at most {MAX_TOTAL_BYTES})")
-        for field, value in (("megacache", self.megacache), ("precompiled", self.precompiled)):
+        blobs = [("megacache", self.megacache), ("precompiled", self.precompiled)]
+        if self.distributed is not None:
+            for r in self.distributed.ranks:
+                blobs += [(f"rank {r.rank} megacache", r.megacache)]
+                blobs += [(f"rank {r.rank} precompiled", r.precompiled)]
+        for field, value in blobs:
             # Serving reads these paths under the restored folder: only a listed file will do.
             if value is not None and value not in paths:
                 raise ValueError(f"{field} {_shown(value)} is not a listed file")
+        self._check_ranks(paths)
         return self
+
+    def _check_ranks(self, paths: set[str]) -> None:
+        """A K-rank manifest is format 2 and keeps every file in one of its rank folders."""
+        if (self.distributed is not None or self.copies) and self.format < RANKS_FORMAT:
+            raise ValueError(f"distributed and copies need format {RANKS_FORMAT}")
+        if self.distributed is None:
+            if self.copies:
+                raise ValueError("copies are only for the ranks of a distributed artifact")
+            return
+        world = self.distributed.world_size
+        for path in sorted(paths):
+            rank = rank_of(path)
+            if rank is None or rank >= world:
+                raise ValueError(
+                    f"{_shown(path)} is in no rank folder ({RANKS_DIR}/0..{world - 1}/)"
+                )
+        first = self.distributed.ranks[0] if self.distributed.ranks else None
+        if first and (self.megacache, self.precompiled) != (first.megacache, first.precompiled):
+            raise ValueError("megacache and precompiled of a distributed artifact are rank 0's")
+        for r in self.distributed.ranks:
+            for field, value in (("megacache", r.megacache), ("precompiled", r.precompiled)):
+                if value is not None and rank_of(value) != r.rank:
+                    raise ValueError(f"rank {r.rank} {field} {_shown(value)} is another rank's")
+
+    def entries(self) -> list[FileEntry]:
+        """Every file a restore installs: the stored ones, then each copy as its source's entry
+        at the copy's path (same size, sha256 and kind)."""
+        stored = {entry.path: entry for entry in self.files}
+        copied = [stored[c.source].model_copy(update={"path": c.path}) for c in self.copies]
+        return [*self.files, *copied]
 
     def to_bytes(self) -> bytes:
         return (json.dumps(self.model_dump(mode="json"), indent=2, sort_keys=True) + "\n").encode()
 
     @property
     def total_bytes(self) -> int:
+        """Bytes installed, copies included (what restore needs on disk)."""
+        return sum(f.size for f in self.entries())
+
+    @property
+    def stored_bytes(self) -> int:
+        """Bytes in the archive: each file identical across ranks once."""
         return sum(f.size for f in self.files)
+
+    @property
+    def world_size(self) -> int:
+        return self.distributed.world_size if self.distributed else 1
 
     def bytes_by_kind(self) -> dict[str, tuple[int, int]]:
         out: dict[str, tuple[int, int]] = {}
-        for f in self.files:
+        for f in self.entries():
             n, b = out.get(f.kind, (0, 0))
             out[f.kind] = (n + 1, b + f.size)
         return dict(sorted(out.items()))

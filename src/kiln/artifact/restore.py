@@ -42,7 +42,7 @@ from kiln.artifact.swap import UNWRITABLE, Lock, clean_stale, dest_path, make_st
 from kiln.errors import IntegrityError, KilnError, UsageError
 from kiln.events import EventSink, Fetched, Fetching, ignore
 from kiln.files import CHUNK, atomic_write
-from kiln.serving import ENV_NAME, INDUCTOR_DIR, STATE_NAME, env_file_text
+from kiln.serving import ENV_NAME, INDUCTOR_DIR, RANKS_DIR, STATE_NAME, env_file_text
 
 
 @dataclass
@@ -70,7 +70,10 @@ class RestoreResult:
             "seconds": round(self.seconds, 3),
             "noop": self.noop,
             "env_file": str(self.env_file),
-            "cache_dir": str(self.dest / INDUCTOR_DIR),
+            "cache_dir": str(self.dest / INDUCTOR_DIR)
+            if self.manifest.distributed is None
+            else str(self.dest / RANKS_DIR),  # ranks/R/inductor: each rank's
+            "ranks": self.manifest.world_size,
         }
 
 
@@ -349,7 +352,9 @@ def _restore_locked(
         # alone would record; the bundle is named beside it, for the no-op of a repeat restore.
         installed_sha = variant_sha or unpacked
         (tree / MANIFEST_NAME).write_bytes(manifest.to_bytes())
-        (tree / ENV_NAME).write_text(env_file_text(dest, manifest.name, manifest.env))
+        (tree / ENV_NAME).write_text(
+            env_file_text(dest, manifest.name, manifest.env, manifest.world_size)
+        )
         state: dict[str, Any] = {
             "artifact_sha256": installed_sha,
             "source": source,
@@ -396,7 +401,7 @@ def _result(
     return RestoreResult(
         dest=dest,
         sha256=digest,
-        files=len(manifest.files),
+        files=len(manifest.entries()),
         bytes=manifest.total_bytes,
         seconds=time.time() - t0,
         noop=noop,

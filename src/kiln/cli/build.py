@@ -93,7 +93,7 @@ def bake_cmd(
         c.print(plain(proof_line(m)))
         c.print(
             f"wrote [bold]{esc(result.artifact)}[/] ({human_bytes(result.size)}, "
-            f"{len(m.files)} files, "
+            f"{len(m.entries())} files, "
             f"{human_bytes(m.total_bytes)} unpacked) in {result.wall_s:.1f}s"
         )
         c.print(f"sha256 {result.sha256}")

@@ -216,7 +216,9 @@ def manifest_view(console: Console, m: Manifest, digest: str | None = None) -> N
     if m.graph_breaks:
         print_table(console, graph_break_table(m.graph_breaks))
     console.print(plain(proof_line(m)))
-    kinds = Table(title=f"{len(m.files)} files, {human_bytes(m.total_bytes)}", title_justify="left")
+    kinds = Table(
+        title=f"{len(m.entries())} files, {human_bytes(m.total_bytes)}", title_justify="left"
+    )
     kinds.add_column("kind")
     kinds.add_column("files", justify="right")
     kinds.add_column("bytes", justify="right")

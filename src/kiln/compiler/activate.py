@@ -26,7 +26,8 @@ from typing import Any, Literal
 from kiln.artifact.archive import read_manifest
 from kiln.artifact.manifest import Manifest
 from kiln.compiler.check import CheckReport, compare_manifest
-from kiln.serving import cache_env, served_torch_kwargs
+from kiln.errors import UsageError
+from kiln.serving import PRECOMPILED_NAME, cache_env, rank_dir, served_torch_kwargs, serving_rank
 
 log = logging.getLogger("kiln")
 
@@ -52,6 +53,7 @@ class Activation:
     recompile_limit: int | None
     manifest: Manifest
     warnings: list[str] = field(default_factory=list)
+    layout: Path | None = None  # this rank's folder (ranks/R) of a K-rank artifact, else cache_dir
     warmup: InductorWarmup | None = field(default=None, repr=False)
 
     def compile(self, model: Any) -> Any:
@@ -67,7 +69,9 @@ class Activation:
         if self.manifest.precompiled:
             from kiln.compiler.precompile import PrecompiledForward
 
-            blob = (self.cache_dir / self.manifest.precompiled).read_bytes()
+            folder = self.layout or self.cache_dir
+            name = PRECOMPILED_NAME if self.manifest.distributed else self.manifest.precompiled
+            blob = (folder / name).read_bytes()
             try:
                 return PrecompiledForward.load(model, kwargs, blob)
             except Exception as exc:  # torch's checks raise assorted types; say which, go on
@@ -94,17 +98,27 @@ def activate(
     *,
     compat: Compat = "warn",
     megacache: bool = True,
-    device_index: int = 0,
+    device_index: int | None = None,
+    rank: int | None = None,
 ) -> Activation:
     """Make this process use the caches restored at ``cache``. Call before the first compile.
 
     ``compat``: what to do when a factor in torch's cache keys differs — "fail" raises
     :class:`~kiln.errors.IncompatibleError`, "warn" emits a :class:`CompatWarning`, "ignore"
-    does neither.
+    does neither. For a K-rank artifact, ``rank`` (default: ``RANK``, else ``LOCAL_RANK``, as
+    torchrun sets them) picks the rank's caches; none set, or one outside the artifact's ranks,
+    is a :class:`~kiln.errors.UsageError`. ``device_index`` defaults to the baked one.
     """
     cache = Path(cache).absolute()
     manifest = read_manifest(cache)
-    env = cache_env(cache, manifest.env)
+    rank = _rank(cache, manifest, rank)
+    baked = manifest.fingerprint
+    if manifest.distributed is not None and rank is not None:
+        baked = manifest.distributed.ranks[rank].fingerprint
+    if device_index is None:
+        device_index = baked.get("device.index") or 0
+    layout = rank_dir(cache, rank)
+    env = cache_env(cache, manifest.env, rank)
     notes: list[str] = []
     torch_loaded = "torch" in sys.modules
     os.environ.update(env)
@@ -129,7 +143,10 @@ def activate(
 
         device = manifest.fingerprint.get("device.type", "cpu")
         report = compare_manifest(
-            manifest, fingerprint(device, device_index=device_index, keys=False)
+            manifest,
+            fingerprint(device, device_index=device_index, keys=False),
+            rank=rank,
+            world_size=manifest.world_size if rank is not None else None,
         )
         if not report.ok:
             if compat == "fail":
@@ -139,8 +156,11 @@ def activate(
             notes.append(message)
 
     loaded = None
-    if megacache and manifest.megacache and hasattr(torch.compiler, "load_cache_artifacts"):
-        blob = (cache / manifest.megacache).read_bytes()
+    blob_path = manifest.megacache
+    if manifest.distributed is not None and rank is not None:
+        blob_path = manifest.distributed.ranks[rank].megacache
+    if megacache and blob_path and hasattr(torch.compiler, "load_cache_artifacts"):
+        blob = (cache / blob_path).read_bytes()
         info = torch.compiler.load_cache_artifacts(blob)
         loaded = info is not None
         if not loaded:
@@ -148,7 +168,20 @@ def activate(
     warmup = InductorWarmup(served_torch_kwargs(manifest)).start()
     for note in notes:
         log.warning("kiln: %s", note)
-    return Activation(cache, env, report, loaded, limit, manifest, notes, warmup=warmup)
+    return Activation(cache, env, report, loaded, limit, manifest, notes, layout, warmup=warmup)
+
+
+def _rank(cache: Path, manifest: Manifest, rank: int | None) -> int | None:
+    """The rank whose caches this process serves: None for a 1-rank artifact; else ``rank`` or
+    the launcher's ``RANK``/``LOCAL_RANK``, which must be one of the artifact's."""
+    if manifest.distributed is None:
+        return None
+    try:
+        if rank is None:
+            return serving_rank(manifest.world_size)
+        return serving_rank(manifest.world_size, {"RANK": str(rank)})
+    except ValueError as exc:
+        raise UsageError(f"{cache}: {exc}") from None
 
 
 class InductorWarmup:

@@ -29,12 +29,17 @@ from typing import TYPE_CHECKING, Any
 from kiln.artifact.archive import sha256_file, source_date_epoch, write_artifact
 from kiln.artifact.manifest import (
     MAX_GRAPH_BREAKS,
+    RANKS_FORMAT,
+    Distributed,
+    FileEntry,
     GraphBreak,
     Manifest,
     PassStats,
     ProofStats,
+    RankCaches,
     ShardInfo,
 )
+from kiln.compiler import ranks
 from kiln.compiler.capture import capture, payload_sha256
 from kiln.compiler.dynamo_log import merge_breaks
 from kiln.compiler.launch import WorkerRun, run_worker
@@ -46,8 +51,10 @@ from kiln.serving import (
     INDUCTOR_DIR,
     MEGACACHE_NAME,
     PRECOMPILED_NAME,
+    RANKS_DIR,
     cold_torch_kwargs,
     compile_env,
+    rank_dir,
     torch_kwargs,
 )
 from kiln.spec import MAX_PASSES, Spec, load_spec
@@ -78,7 +85,7 @@ class BakeResult:
             "size": self.size,
             "name": m.name,
             "buckets": len(m.grid),
-            "files": len(m.files),
+            "files": len(m.entries()),
             "passes": len(m.passes),
             "totals": m.totals,
             "wall_s": round(self.wall_s, 3),
@@ -146,6 +153,69 @@ def bake(
     )
 
 
+def _capture(spec: Spec, work: Path) -> tuple[list[FileEntry], ranks.Stored | None]:
+    """The files of ``work``'s layout; for K ranks, each rank's under ``ranks/R/``, stored once
+    where ranks share them (:func:`kiln.compiler.ranks.store_once`; the rest are copies)."""
+    if spec.distributed is None:
+        return capture(work / INDUCTOR_DIR, work / MEGACACHE_NAME, work / PRECOMPILED_NAME), None
+    by_rank = []
+    for rank in range(spec.world_size):
+        folder = rank_dir(work, rank)
+        prefix = f"{RANKS_DIR}/{rank}/"
+        entries = capture(folder / INDUCTOR_DIR, folder / MEGACACHE_NAME, folder / PRECOMPILED_NAME)
+        by_rank.append([e.model_copy(update={"path": prefix + e.path}) for e in entries])
+    stored = ranks.store_once(by_rank)
+    return stored.files, stored
+
+
+def _with_ranks(
+    spec: Spec, manifest: Manifest, runs: list[WorkerRun], stored: ranks.Stored
+) -> Manifest:
+    """``manifest`` as a K-rank artifact (format 2): every rank's fingerprint, grid, passes and
+    blobs, and the copies; the top-level fields are rank 0's."""
+    assert spec.distributed is not None
+    copies = stored.copies
+    listed = {f.path for f in manifest.files} | {c.path for c in copies}
+
+    def blob(rank: int, name: str) -> str | None:
+        path = f"{RANKS_DIR}/{rank}/{name}"
+        return path if path in listed else None
+
+    per_rank = [
+        RankCaches(
+            rank=rank,
+            fingerprint=runs[0].results[rank].fingerprint or {},
+            grid=_sorted_grid(runs[0].results[rank].buckets, manifest.grid),
+            passes=[
+                PassStats(order=p.order, compiles=run.results[rank].compiles, wall_s=p.wall_s)
+                for p, run in zip(manifest.passes, runs, strict=True)
+            ],
+            megacache=blob(rank, MEGACACHE_NAME),
+            precompiled=blob(rank, PRECOMPILED_NAME),
+            same_as=stored.same_as[rank],
+        )
+        for rank in range(spec.world_size)
+    ]
+    distributed = Distributed(
+        world_size=spec.world_size, backend=spec.distributed.backend, ranks=per_rank
+    )
+    update = {
+        "format": RANKS_FORMAT,
+        "distributed": distributed,
+        "copies": copies,
+        "megacache": per_rank[0].megacache,
+        "precompiled": per_rank[0].precompiled,
+    }
+    out = Manifest.model_validate({**manifest.model_dump(), **update})
+    # Every file a restore installs, copies included: a copy changed is a different payload.
+    return out.model_copy(update={"payload_sha256": payload_sha256(out.entries())})
+
+
+def _sorted_grid(buckets: list[Any], like: list[Any]) -> list[Any]:
+    order = {b.key: i for i, b in enumerate(like)}
+    return sorted(buckets, key=lambda b: order[b.key])
+
+
 def _pass_count(spec: Spec, passes: int | None) -> tuple[int, bool]:
     """How many fresh-process passes to run at most, and whether to stop at the first quiet one
     (automatic: only specs whose compiles depend on order or on tuning results need more)."""
@@ -209,7 +279,7 @@ class _Baker:
         request = base.replace(order=order, input_seed=input_stream(i))
         run = run_worker(self.spec, request, self.env, on_event=self.emit)
         self.runs.append(run)
-        compiles = run.result.compiles
+        compiles = sum(result.compiles for result in run.results)  # quiet: every rank is
         self.pass_stats.append(PassStats(order=order, compiles=compiles, wall_s=run.wall_s))
         return compiles
 
@@ -225,11 +295,12 @@ class _Baker:
     def manifest(self, proof: ProofStats | None = None, proof_warning: str = "") -> Manifest:
         """What the work folder holds now, described (files captured afresh: a re-bake adds)."""
         self.emit(Capturing())
-        work = self.work
-        files = capture(work / INDUCTOR_DIR, work / MEGACACHE_NAME, work / PRECOMPILED_NAME)
+        files, stored = _capture(self.spec, self.work)
         warnings = _warnings(self.runs, self.pass_stats, proof, proof_warning)
         runs, stats = self.runs, self.pass_stats
         manifest = _manifest(self.spec, self.buckets, runs, stats, files, warnings, proof)
+        if stored is not None:
+            manifest = _with_ranks(self.spec, manifest, runs, stored)
         if self.shard is not None:
             manifest.shard = ShardInfo.of(self.shard.count, [self.shard.index])
         return manifest

@@ -44,6 +44,7 @@ from kiln.serving import (
     cache_env,
     cold_torch_kwargs,
     compile_env,
+    rank_dir,
     served_torch_kwargs,
     torch_kwargs,
     with_compile_threads,
@@ -332,7 +333,9 @@ class _Bench:
 
     def copied(self, i: int) -> WorkerRun:
         root = self.work / f"copied-{i}" / INDUCTOR_DIR
-        shutil.copytree(self.stock_root, root)
+        for rank in self._ranks():  # a K-rank bake: each rank's folder (kiln.compiler.ranks)
+            src = rank_dir(self.stock_root.parent, rank) / INDUCTOR_DIR
+            shutil.copytree(src, rank_dir(root.parent, rank) / INDUCTOR_DIR)
         env = {**self.env, "TORCHINDUCTOR_CACHE_DIR": str(root)}
         return self._run("copied", i, env, self.request.replace(cache_root=str(root)))
 
@@ -353,11 +356,15 @@ class _Bench:
             "megacache": _Plan(self.megacache, "Mega-Cache blob alone into an empty folder"),
             "copied": _Plan(self.copied, "raw cache folder copied to a new path"),
         }
-        if not (self.work / "restored" / MEGACACHE_NAME).is_file():
+        first = 0 if self.spec.distributed else None  # rank 0's stands for every rank's
+        if not (rank_dir(self.work / "restored", first) / MEGACACHE_NAME).is_file():
             plans.pop("kiln-blob")
-        if not self.stock_blob.is_file():
+        if not (rank_dir(self.stock_blob.parent, first) / MEGACACHE_NAME).is_file():
             plans.pop("megacache")
         return plans
+
+    def _ranks(self) -> list[int | None]:
+        return list(range(self.spec.world_size)) if self.spec.distributed else [None]
 
 
 def _served(plans: dict[str, _Plan], chosen: tuple[str, ...], repeat: int) -> dict[str, ModeResult]:

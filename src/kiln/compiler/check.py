@@ -60,8 +60,19 @@ class CheckReport:
         }
 
 
-def compare_manifest(manifest: Manifest, here: dict[str, Any]) -> CheckReport:
-    factors = compare(manifest.fingerprint, here)
+def compare_manifest(
+    manifest: Manifest,
+    here: dict[str, Any],
+    *,
+    rank: int | None = None,
+    world_size: int | None = None,
+) -> CheckReport:
+    """``here`` against what the manifest baked: for a K-rank artifact, rank ``rank``'s
+    fingerprint (rank 0's when None), and the rank and world size as factors of their own."""
+    baked = manifest.fingerprint
+    if manifest.distributed is not None and rank is not None and rank < manifest.world_size:
+        baked = manifest.distributed.ranks[rank].fingerprint
+    factors = compare(baked, here) + rank_factors(manifest, rank, world_size)
     if os.environ.get("TORCHINDUCTOR_FORCE_DISABLE_CACHES", "0") not in ("", "0"):
         factors.append(
             Factor(
@@ -73,19 +84,78 @@ def compare_manifest(manifest: Manifest, here: dict[str, Any]) -> CheckReport:
                 "disables every cache: nothing can hit",
             )
         )
-    return CheckReport(manifest.name, factors, manifest.fingerprint, here)
+    return CheckReport(manifest.name, factors, baked, here)
 
 
-def check(target: str | Path, *, device_index: int | None = None, keys: bool = True) -> CheckReport:
+def rank_factors(manifest: Manifest, rank: int | None, world_size: int | None) -> list[Factor]:
+    """The world size and rank this process serves as, against the artifact's ranks.
+
+    ``None`` means unknown here (not in a launch): said, never guessed. A K-rank artifact's
+    rank R has only its own shard's graphs, so a rank outside 0..K-1 or another world size
+    misses everything; a 1-rank artifact served by K ranks is only noted (replicas of one model
+    hit the same graphs, and cuda:N is judged as ``device.index``).
+    """
+    baked = manifest.world_size
+    out: list[Factor] = []
+    if manifest.distributed is None:
+        if world_size is not None and world_size > 1:
+            out.append(
+                Factor(
+                    "distributed.world_size",
+                    1,
+                    world_size,
+                    False,
+                    False,
+                    "a 1-rank artifact: every rank serves rank 0's graphs (fine for replicas)",
+                )
+            )
+        return out
+    note = "each rank compiled its own shard: ranks and world size must be the baked ones"
+    if world_size is None:
+        out.append(Factor("distributed.world_size", baked, None, True, False, "not in a launch"))
+    else:
+        same = world_size == baked
+        out.append(Factor("distributed.world_size", baked, world_size, same, not same, note))
+    if rank is None:
+        out.append(Factor("distributed.rank", f"0..{baked - 1}", None, True, False, "no rank set"))
+    else:
+        fits = 0 <= rank < baked
+        out.append(Factor("distributed.rank", f"0..{baked - 1}", rank, fits, not fits, note))
+    return out
+
+
+def check(
+    target: str | Path,
+    *,
+    device_index: int | None = None,
+    keys: bool = True,
+    rank: int | None = None,
+    world_size: int | None = None,
+) -> CheckReport:
     """Compare the artifact (file) or restored folder at ``target`` with this process.
 
-    ``device_index`` is the CUDA index this process will serve on (default: the baked one, 0).
+    ``device_index`` is the CUDA index this process will serve on (default: the baked one, 0;
+    for a K-rank artifact the rank's baked one). ``rank``/``world_size``: what this process
+    serves as (default: ``RANK``/``LOCAL_RANK`` and ``WORLD_SIZE`` from the environment).
     """
     from kiln.compiler.fingerprint import fingerprint
 
     manifest = read_manifest(target)
+    rank = rank if rank is not None else _env_int("RANK", "LOCAL_RANK")
+    world_size = world_size if world_size is not None else _env_int("WORLD_SIZE")
     baked = manifest.fingerprint
+    if manifest.distributed is not None and rank is not None and rank < manifest.world_size:
+        baked = manifest.distributed.ranks[rank].fingerprint
     device = baked.get("device.type", manifest.spec.get("model", {}).get("device", "cpu"))
     index = device_index if device_index is not None else (baked.get("device.index") or 0)
     here = fingerprint(device, device_index=index, keys=keys and "torch.key" in baked)
-    return compare_manifest(manifest, here)
+    return compare_manifest(manifest, here, rank=rank, world_size=world_size)
+
+
+def _env_int(*names: str) -> int | None:
+    """The first of ``names`` set to a number in the environment (a launcher's), else None."""
+    for name in names:
+        text = os.environ.get(name, "")
+        if text.isdecimal():
+            return int(text)
+    return None

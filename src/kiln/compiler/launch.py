@@ -27,6 +27,7 @@ from typing import IO
 
 from pydantic import ValidationError
 
+from kiln.compiler import ranks
 from kiln.compiler.protocol import WorkerFailure, WorkerOutcome, WorkerRequest, WorkerResult
 from kiln.errors import IncompatibleError, KilnError, UsageError
 from kiln.events import (
@@ -69,6 +70,13 @@ class WorkerRun:
     spawned: float
     ended: float
     log: str
+    # Every rank's result, rank 0's first, for a distributed spec (``result`` is rank 0's).
+    ranks: tuple[WorkerResult, ...] = ()
+
+    @property
+    def results(self) -> tuple[WorkerResult, ...]:
+        """Each rank's result (one for a 1-rank spec)."""
+        return self.ranks or (self.result,)
 
     @property
     def time_to_ready(self) -> float:
@@ -121,22 +129,61 @@ def run_worker(
     SIGTERM, which the CLI turns into an exception) it is killed together with the compile
     processes Inductor started under it before the temporary folder is removed: nothing is left
     running or writing into a folder that no longer exists.
+
+    A distributed spec runs K workers under torchrun (:mod:`kiln.compiler.ranks`), each rank in
+    its rank folder of the layout ``request`` names; the run fails with the lowest failing
+    rank's error, and its result is rank 0's with every rank's in ``ranks``.
     """
     heartbeat_s = heartbeat_interval()
     request = request.replace(spec_path=str(spec.path))
+    world = spec.world_size if spec.distributed else 0
+    if world and ranks.current() is not None:
+        raise UsageError(
+            f"{spec.name}: run kiln once, outside torchrun: it starts the "
+            f"{world} ranks itself (this process is rank {os.environ['RANK']} of a launch)"
+        )
+    requests = ranks.rank_requests(request, env, world) if world else [request]
+    suffix = ranks.RANK_PLACEHOLDER if world else ""  # each rank reads and writes its own
     with tempfile.TemporaryDirectory(prefix="kiln-worker-") as tmp:
         folder = Path(tmp)
-        (folder / "request.json").write_text(request.model_dump_json())
-        spawned, returncode = _spawn(folder, worker_env(env), on_event, heartbeat_s, timeout)
+        for i, req in enumerate(requests):
+            (folder / f"request{i if world else ''}.json").write_text(req.model_dump_json())
+        args = [str(folder / f"request{suffix}.json"), str(folder / f"outcome{suffix}.json")]
+        command = ranks.launch_command(world, args) if world else _worker_command(args)
+        child_env = ranks.launch_env(worker_env(env)) if world else worker_env(env)
+        spawned, returncode = _spawn(
+            folder, command, child_env, on_event, heartbeat_s, timeout, graceful=bool(world)
+        )
         ended = time.time()
         log = (folder / "stderr.log").read_text(errors="replace")
-        outcome = _outcome(folder / "outcome.json")
-    if outcome is None:
-        raise WorkerError(f"worker {_death(returncode)}:\n{_tail(log)}")
-    if outcome.failure is not None:
-        raise _error(spec, outcome.failure, log)
-    assert outcome.result is not None  # WorkerOutcome holds one of the two
-    return WorkerRun(result=outcome.result, spawned=spawned, ended=ended, log=log)
+        paths = [folder / f"outcome{i}.json" for i in range(world)] or [folder / "outcome.json"]
+        outcomes = [_outcome(path) for path in paths]
+    failed = [(i, o.failure) for i, o in enumerate(outcomes) if o and o.failure is not None]
+    if failed:
+        rank, failure = failed[0]
+        return _raise(spec, failure, log, f"rank {rank}: " if world else "")
+    missing = [i for i, o in enumerate(outcomes) if o is None]
+    if missing:
+        who = f"rank {missing[0]} of {world}" if world else "worker"
+        raise WorkerError(f"{who} {_death(returncode)}:\n{_tail(log)}")
+    results = tuple(o.result for o in outcomes if o is not None and o.result is not None)
+    return WorkerRun(
+        result=results[0],
+        spawned=spawned,
+        ended=ended,
+        log=log,
+        ranks=results if world else (),
+    )
+
+
+def _worker_command(args: list[str]) -> list[str]:
+    return [sys.executable, "-m", "kiln.compiler.worker", *args]
+
+
+def _raise(spec: Spec, failure: WorkerFailure, log: str, where: str) -> WorkerRun:
+    if failure.kind != "spec" and where:
+        failure = failure.model_copy(update={"message": where + failure.message})
+    raise _error(spec, failure, log)
 
 
 def _outcome(path: Path) -> WorkerOutcome | None:
@@ -146,22 +193,21 @@ def _outcome(path: Path) -> WorkerOutcome | None:
 
 def _spawn(
     folder: Path,
+    command: list[str],
     env: dict[str, str],
     on_event: EventSink | None,
     heartbeat_s: float | None,
     timeout: float | None,
+    *,
+    graceful: bool = False,
 ) -> tuple[float, int]:
-    """Run the worker on ``folder``'s request, relaying its events; (start epoch, exit code)."""
+    """Run ``command`` (a worker, or torchrun starting K), relaying its events; (start epoch,
+    exit code). ``graceful``: on interruption, SIGTERM first (torchrun forwards it to the ranks,
+    which it starts in sessions of their own), SIGKILL after :data:`STOP_GRACE_S`."""
     with open(folder / "stderr.log", "wb") as err:
         spawned = time.time()
         proc = subprocess.Popen(
-            [
-                sys.executable,
-                "-m",
-                "kiln.compiler.worker",
-                str(folder / "request.json"),
-                str(folder / "outcome.json"),
-            ],
+            command,
             stdout=subprocess.PIPE,
             stderr=err,
             stdin=subprocess.DEVNULL,
@@ -174,12 +220,25 @@ def _spawn(
             return spawned, proc.wait(timeout=timeout)
         except BaseException:
             # The leader is not reaped yet, so its group id cannot have been reused.
+            if graceful:
+                _stop(proc)
             with contextlib.suppress(ProcessLookupError):
                 os.killpg(proc.pid, signal.SIGKILL)
             proc.wait()
             raise
         finally:
             proc.stdout.close()
+
+
+STOP_GRACE_S = 20.0  # torchrun's own wait for its ranks is 30 s; SIGKILL follows, ranks orphaned
+
+
+def _stop(proc: subprocess.Popen[bytes]) -> None:
+    """Ask torchrun to stop its ranks (each in its own session: a group kill misses them)."""
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(proc.pid, signal.SIGTERM)
+    with contextlib.suppress(subprocess.TimeoutExpired):
+        proc.wait(timeout=STOP_GRACE_S)
 
 
 def relay_events(stream: IO[bytes], on_event: EventSink, heartbeat_s: float | None) -> None:

@@ -56,6 +56,10 @@ class WorkerRequest(_Message):
     input_seed: int = Field(
         0, ge=0, le=2**40, description="offset of every input seed (verify serves unseen data)"
     )
+    env: dict[str, str] = Field(
+        default_factory=dict,
+        description="set before torch is imported: a rank's cache folders (kiln.compiler.ranks)",
+    )
 
     @model_validator(mode="after")
     def _precompile_compiles(self) -> WorkerRequest:

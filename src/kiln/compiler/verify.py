@@ -21,11 +21,11 @@ from kiln.compiler.check import CheckReport, compare_manifest
 from kiln.compiler.dynamo_log import RESUME_FRAME
 from kiln.compiler.launch import run_worker
 from kiln.compiler.protocol import WorkerRequest, input_stream
-from kiln.errors import NotFoundError
+from kiln.errors import IncompatibleError, NotFoundError
 from kiln.events import EventSink
 from kiln.files import atomic_write
 from kiln.grid import expand, ordered
-from kiln.serving import INDUCTOR_DIR, cache_env, served_torch_kwargs
+from kiln.serving import INDUCTOR_DIR, PRECOMPILED_NAME, cache_env, rank_dir, served_torch_kwargs
 from kiln.spec import Spec, load_spec
 
 _VERIFY_STREAMS = 100  # input streams below this are the bake's passes
@@ -131,7 +131,12 @@ def data_dependent_break(bucket: BucketStats, breaks: Sequence[GraphBreak]) -> G
 def served_request(cache: Path, manifest: Manifest, order: list[str], calls: int) -> WorkerRequest:
     """A pass that serves ``order`` from the restored folder ``cache`` as a pod would (its
     environment is :func:`~kiln.serving.cache_env`), timing a fresh first request and the steady
-    latency of each bucket: verify and bench share this."""
+    latency of each bucket: verify and bench share this. For a K-rank artifact the paths are
+    the layout's names under ``cache``, which :mod:`kiln.compiler.ranks` moves into each rank's
+    folder."""
+    precompiled = manifest.precompiled
+    if precompiled and manifest.distributed:
+        precompiled = PRECOMPILED_NAME  # ranks/0/precompiled.bin is rank 0's: each has its own
     return WorkerRequest(
         order=order,
         torch_kwargs=served_torch_kwargs(manifest),
@@ -139,8 +144,19 @@ def served_request(cache: Path, manifest: Manifest, order: list[str], calls: int
         steady_calls=10,
         first_request=True,
         cache_root=str(cache / INDUCTOR_DIR),
-        precompile_load=str(cache / manifest.precompiled) if manifest.precompiled else None,
+        precompile_load=str(cache / precompiled) if precompiled else None,
     )
+
+
+def check_world_size(spec: Spec, manifest: Manifest) -> None:
+    """Serving K ranks from an artifact baked for another number is exit 5, said at once."""
+    if spec.world_size != manifest.world_size or bool(spec.distributed) != bool(
+        manifest.distributed
+    ):
+        raise IncompatibleError(
+            f"{manifest.name}: baked for {manifest.world_size} rank(s), the spec runs "
+            f"{spec.world_size}: every rank's shard and graphs differ"
+        )
 
 
 def verify(
@@ -158,9 +174,11 @@ def verify(
     against the restored folder ``cache`` in a fresh process."""
     spec = spec if isinstance(spec, Spec) else load_spec(spec)
     cache = Path(cache).absolute()
-    if not (cache / INDUCTOR_DIR).is_dir():
+    first = rank_dir(cache, 0) if (cache / "ranks").is_dir() else cache
+    if not (first / INDUCTOR_DIR).is_dir():
         raise NotFoundError(f"{cache}: no {INDUCTOR_DIR}/ folder (restore an artifact there first)")
     manifest = read_manifest(cache)
+    check_world_size(spec, manifest)
     grid = [b for b in expand(spec) if keys is None or b.key in keys]
     order_keys = [b.key for b in ordered(grid, order, seed)]
     request = served_request(cache, manifest, order_keys, spec.warmup.calls).replace(
@@ -170,25 +188,47 @@ def verify(
         input_seed=input_stream(_VERIFY_STREAMS + seed),
     )
     run = run_worker(spec, request, cache_env(cache, manifest.env), on_event=on_event)
-    fingerprint = run.result.fingerprint
+    checks = [
+        compare_manifest(
+            manifest,
+            result.fingerprint,
+            rank=rank if manifest.distributed else None,
+            world_size=spec.world_size if manifest.distributed else None,
+        )
+        for rank, result in enumerate(run.results)
+        if result.fingerprint
+    ]
     report = VerifyReport(
         name=manifest.name,
         order=order_keys,
         # A re-trace that hit the cache is how a fresh process works: no reason to show.
         buckets=[
             b if b.compiles else b.model_copy(update={"recompile_reasons": []})
-            for b in run.result.buckets
+            for b in _rank_buckets(run.results, labelled=manifest.distributed is not None)
         ],
-        check=compare_manifest(manifest, fingerprint) if fingerprint else None,
+        # The first rank whose environment differs names the factor, else rank 0's.
+        check=next((c for c in checks if not c.ok), checks[0]) if checks else None,
         time_to_ready_s=run.time_to_ready,
         time_to_warm_s=run.time_to_warm,
         spec_matches=spec.sha256() == manifest.spec_sha256,
         graph_breaks=manifest.graph_breaks,
-        extra={"precompile_load_s": run.result.precompile_load_s},
+        extra={"precompile_load_s": run.result.precompile_load_s, "ranks": spec.world_size},
     )
     if ready_file is not None:
         _mark_ready(Path(ready_file), report)
     return report
+
+
+def _rank_buckets(results: Any, *, labelled: bool) -> list[BucketStats]:
+    """Every rank's buckets, each key prefixed with its rank for a K-rank artifact: a bucket
+    that compiled on one rank is named with it (``rank 1 · batch=4``)."""
+    if not labelled:
+        return list(results[0].buckets)
+    return [
+        b.model_copy(update={"key": f"rank {rank} · {b.key}"})
+        for rank, result in enumerate(results)
+        for b in result.buckets
+    ]
 
 
 def _mark_ready(ready: Path, report: VerifyReport) -> None:

@@ -33,6 +33,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, TypeVar
 
 from kiln.artifact.manifest import MAX_GRAPH_BREAKS, BucketStats, CompileCounts, GraphBreak
+from kiln.compiler import ranks
 from kiln.compiler.activate import InductorWarmup
 from kiln.compiler.capture import snapshot
 from kiln.compiler.counters import CompileCounters, compile_counts
@@ -58,10 +59,13 @@ _T = TypeVar("_T")
 # of a pass (and no two buckets) share inputs; the "first real request" is a call none made.
 _SEED_STRIDE = 1_000
 _FIRST_REQUEST_CALL = _SEED_STRIDE - 1
+_RANK = ranks.current()  # this process's rank when a launcher started it (distributed specs)
 
 
 def _emit(event: WorkerEvent) -> None:
     """One progress event as a JSON line on stdout, which the parent reads as it comes."""
+    if not ranks.relays_events(_RANK):
+        return
     sys.stdout.write(event.model_dump_json() + "\n")
     sys.stdout.flush()
 
@@ -261,6 +265,7 @@ def run(request: WorkerRequest) -> WorkerResult:
     torch_import_s = clock.mark("import torch")
     spec = load_spec(request.spec_path)
     device = _setup_device(spec, request.device_index)
+    joined = _join(spec, device)
     clock.mark("device init")
     loaded = _load_megacache(request.megacache_load)
     clock.mark("Mega-Cache load")
@@ -292,6 +297,7 @@ def run(request: WorkerRequest) -> WorkerResult:
         warms = grid.warm_pass(order, request, calls=_calls(request, spec))
     warm_done = time.time()
     saved = _save_caches(request, forward)
+    ranks.leave(joined)
     return WorkerResult(
         buckets=[_bucket_stats(b, firsts[b.key], warms[b.key]) for b in order],
         process_start=_START,
@@ -335,6 +341,11 @@ def _setup_device(spec: Spec, index: int) -> Any:
     device = torch.device(spec.model.device, index if spec.model.device == "cuda" else None)
     if device.type != "cuda":
         return device
+    if spec.distributed and torch.cuda.is_available() and index >= torch.cuda.device_count():
+        raise _SpecProblem(
+            "distributed.world_size",
+            f"rank {index} needs cuda:{index}, but torch sees {torch.cuda.device_count()} GPU(s)",
+        )
     if not torch.cuda.is_available():
         build = f"CUDA {torch.version.cuda}" if torch.version.cuda else "no CUDA support"
         visible = os.environ.get("CUDA_VISIBLE_DEVICES")
@@ -346,6 +357,15 @@ def _setup_device(spec: Spec, index: int) -> Any:
         )
     torch.cuda.set_device(device)
     return device
+
+
+def _join(spec: Spec, device: Any) -> bool:
+    """Join the launch's process group (distributed specs); a world size the launch does not
+    have is the spec's problem."""
+    try:
+        return ranks.join(spec, _RANK, device)
+    except ValueError as exc:
+        raise _SpecProblem("distributed.world_size", str(exc)) from exc
 
 
 def _synchronizer(device: Any) -> Callable[[], None]:
@@ -384,8 +404,11 @@ def _build_model(spec: Spec, device: Any) -> Any:
     check_input_memory(spec, device)
     factory = resolve_factory(spec)
     kwargs_key = "model.kwargs" if spec.model.kwargs else "model.factory"
+    rank_kwargs, refused = ranks.factory_kwargs(spec, factory, _RANK)
+    if refused:
+        raise _SpecProblem("distributed", refused)
     try:
-        model = factory(**spec.model.kwargs)
+        model = factory(**spec.model.kwargs, **rank_kwargs)
     except TypeError as exc:
         raise _SpecProblem("model.kwargs", f"factory rejected its kwargs: {exc}") from exc
     except Exception as exc:  # the factory is the spec's code: its failure is the spec's
@@ -646,10 +669,11 @@ def _cache_info_counts(info: Any) -> dict[str, int]:
 
 def main(argv: list[str] | None = None) -> int:
     """``python -m kiln.compiler.worker REQUEST.json OUTCOME.json``; exit codes as kiln's."""
-    args = sys.argv[1:] if argv is None else argv
+    args = ranks.worker_args(sys.argv[1:] if argv is None else argv, _RANK)
     ignore_numpy_warning()
     request_path, outcome_path = Path(args[0]), Path(args[1])
     request = WorkerRequest.model_validate_json(request_path.read_text())
+    os.environ.update(request.env)  # a rank's own cache folders, before torch reads them
     try:
         outcome = WorkerOutcome(result=run(request))
         code = 0

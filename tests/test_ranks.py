@@ -1,0 +1,433 @@
+"""Multi-rank (tensor-parallel) models (issue 15): the spec section, the per-rank layout and its
+copies in the manifest, restore of a K-rank artifact, ``kiln.env`` sourced per rank, the rank
+factors of ``kiln check``, and a real 2-rank gloo bake → restore → verify on the CPU."""
+
+from __future__ import annotations
+
+import hashlib
+import subprocess
+from pathlib import Path
+from typing import Any
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from pydantic import ValidationError
+
+from kiln.artifact.archive import parse_manifest
+from kiln.artifact.manifest import FileEntry, Manifest
+from kiln.artifact.restore import restore
+from kiln.errors import IntegrityError, KilnError, SpecError, UsageError
+from kiln.serving import env_file_text, serving_rank
+from kiln.spec import parse_spec
+from tests.archives import reg, tree, write_archive
+from tests.conftest import MODELS, hard_limit
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def tp_spec(world: str = "{world_size: 2, backend: gloo}", extra: str = "") -> str:
+    """A 2-rank tensor-parallel MLP spec (line 11 is ``distributed``)."""
+    return "\n".join(
+        [
+            "name: tp-mlp",
+            "model:",
+            f"  factory: {MODELS}:tp_mlp",
+            "  kwargs: {dim: 16, hidden: 64" + extra + "}",
+            "compile:",
+            "  dynamic: false",
+            "inputs:",
+            "  - {name: x, shape: [batch, 16], dtype: float32, fill: randn}",
+            "buckets:",
+            "  batch: [1, 4]",
+            f"distributed: {world}",
+            "warmup: {calls: 2}",
+            "",
+        ]
+    )
+
+
+# --- the spec ------------------------------------------------------------------------------
+def test_distributed_section_parses() -> None:
+    spec = parse_spec(tp_spec())
+    assert spec.distributed is not None
+    assert (spec.world_size, spec.distributed.backend) == (2, "gloo")
+    assert spec.canonical()["distributed"] == {"world_size": 2, "backend": "gloo"}
+
+
+def test_a_one_rank_spec_keeps_its_digest() -> None:
+    """No ``distributed`` key in the canonical form: 1-rank artifacts still match their specs."""
+    text = tp_spec().replace("distributed: {world_size: 2, backend: gloo}\n", "")
+    spec = parse_spec(text)
+    assert spec.distributed is None and spec.world_size == 1
+    assert "distributed" not in spec.canonical()
+
+
+@pytest.mark.parametrize(
+    ("world", "extra", "where", "says"),
+    [
+        ("{world_size: 0, backend: gloo}", "", "11:15: distributed.world_size", "greater than"),
+        ("{world_size: 65, backend: gloo}", "", "distributed.world_size", "less than"),
+        ("{world_size: 2, backend: mpi}", "", "11:30: distributed.backend", "gloo"),
+        ("{world_size: 2, backend: nccl}", "", "distributed.backend", "nccl needs"),
+        ("{world_size: 2}", "", "distributed.backend", "required"),
+        ("{world_size: 2, backend: gloo, ranks: 2}", "", "distributed.ranks", "unknown key"),
+        ("{world_size: 2, backend: gloo}", ", rank: 1", "model.kwargs.rank", "passed by kiln"),
+    ],
+)
+def test_distributed_errors_are_located(world: str, extra: str, where: str, says: str) -> None:
+    with pytest.raises(SpecError) as info:
+        parse_spec(tp_spec(world, extra), file="tp.yaml")
+    assert where in str(info.value) and says in str(info.value)
+
+
+# --- kiln.env, sourced by a real shell per rank ------------------------------------------
+HOSTILE_DEST = Path("/tmp/it's $(touch pwned) `x` here/cache")
+
+
+def _source(text: str, tmp_path: Path, **env: str) -> subprocess.CompletedProcess[str]:
+    (tmp_path / "kiln.env").write_text(text)
+    script = (
+        f'. "{tmp_path}/kiln.env"; printf "%s|%s" "${{TORCHINDUCTOR_CACHE_DIR-}}" "$KILN_CACHE_DIR"'
+    )
+    return subprocess.run(
+        ["sh", "-euc", script],
+        env={"PATH": "/usr/bin:/bin", **env},
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        check=True,
+    )
+
+
+@pytest.mark.parametrize(
+    ("env", "rank"),
+    [({"RANK": "0"}, "0"), ({"RANK": "1"}, "1"), ({"LOCAL_RANK": "1"}, "1"), ({"RANK": ""}, None)],
+)
+def test_kiln_env_picks_the_rank_folder_when_sourced(
+    tmp_path: Path, env: dict[str, str], rank: str | None
+) -> None:
+    proc = _source(env_file_text(HOSTILE_DEST, "tp", {"TORCH_X": "a'b"}, 2), tmp_path, **env)
+    cache_dir, kiln_dir = proc.stdout.split("|")
+    assert kiln_dir == str(HOSTILE_DEST)
+    if rank is None:
+        assert cache_dir == "" and "not a rank of this 2-rank artifact" in proc.stderr
+    else:
+        assert cache_dir == f"{HOSTILE_DEST}/ranks/{rank}/inductor"
+    assert not (tmp_path / "pwned").exists()
+
+
+@pytest.mark.parametrize("value", ["2", "01", "-1", "1 ", "$(touch pwned)", "`touch pwned`", "९"])
+def test_kiln_env_refuses_a_rank_outside_the_artifact(tmp_path: Path, value: str) -> None:
+    proc = _source(env_file_text(HOSTILE_DEST, "tp", {}, 2), tmp_path, RANK=value)
+    assert proc.stdout.split("|")[0] == ""
+    assert "not a rank of this 2-rank artifact" in proc.stderr
+    assert not (tmp_path / "pwned").exists()
+    with pytest.raises(ValueError, match="not a rank"):
+        serving_rank(2, {"RANK": value})
+
+
+def test_one_rank_kiln_env_is_unchanged() -> None:
+    assert "RANK" not in env_file_text(Path("/c"), "x", {})
+
+
+# --- the manifest's per-rank layout and copies -------------------------------------------
+def _entry(path: str, data: bytes) -> dict[str, Any]:
+    return {
+        "path": path,
+        "size": len(data),
+        "sha256": hashlib.sha256(data).hexdigest(),
+        "kind": "x",
+    }
+
+
+STORED = {"ranks/0/inductor/a.py": b"code\n", "ranks/1/inductor/b.so": b"\x7fELF rank 1"}
+COPIES = [{"path": "ranks/1/inductor/a.py", "source": "ranks/0/inductor/a.py"}]
+
+
+def rank_manifest(**changes: Any) -> dict[str, Any]:
+    fp = {"device.type": "cpu"}
+    data: dict[str, Any] = {
+        "format": 2,
+        "name": "tp",
+        "created": "1970-01-01T00:00:00+00:00",
+        "spec": {},
+        "spec_sha256": "0" * 64,
+        "fingerprint": fp,
+        "grid": [],
+        "files": [_entry(p, d) for p, d in sorted(STORED.items())],
+        "copies": COPIES,
+        "distributed": {
+            "world_size": 2,
+            "backend": "gloo",
+            "ranks": [{"rank": 0, "fingerprint": fp}, {"rank": 1, "fingerprint": fp}],
+        },
+    }
+    return {**data, **changes}
+
+
+def test_a_rank_manifest_validates_and_counts_its_copies() -> None:
+    m = Manifest.model_validate(rank_manifest())
+    assert m.world_size == 2 and len(m.entries()) == 3
+    assert m.total_bytes == m.stored_bytes + len(b"code\n")
+
+
+@pytest.mark.parametrize(
+    ("changes", "says"),
+    [
+        ({"format": 1}, "need format 2"),
+        ({"distributed": None}, "only for the ranks"),
+        ({"copies": [{"path": "ranks/1/x", "source": "ranks/1/y"}]}, "not a stored file"),
+        ({"copies": [{"path": "ranks/1/x", "source": "ranks/1/inductor/a.py"}]}, "not a stored"),
+        ({"copies": [*COPIES, *COPIES]}, "listed twice"),
+        (
+            {"copies": [{"path": "ranks/0/inductor/a.py", "source": "ranks/0/inductor/a.py"}]},
+            "twice",
+        ),
+        ({"copies": [{"path": "ranks/1/../../x", "source": "ranks/0/inductor/a.py"}]}, "traversal"),
+        ({"copies": [{"path": "/etc/x", "source": "ranks/0/inductor/a.py"}]}, "absolute"),
+        ({"copies": [{"path": "kiln.env", "source": "ranks/0/inductor/a.py"}]}, "writes"),
+        (
+            {"copies": [{"path": "ranks/1/inductor/b.so/x", "source": "ranks/0/inductor/a.py"}]},
+            "file and as a folder",
+        ),
+        ({"copies": [{"path": "ranks/2/a.py", "source": "ranks/0/inductor/a.py"}]}, "no rank"),
+        ({"copies": [{"path": "inductor/a.py", "source": "ranks/0/inductor/a.py"}]}, "no rank"),
+        ({"files": [_entry("inductor/a.py", b"")]}, "not a stored file"),
+        ({"megacache": "ranks/1/inductor/b.so"}, "rank 0's"),
+    ],
+)
+def test_hostile_rank_manifests_are_refused(changes: dict[str, Any], says: str) -> None:
+    with pytest.raises(ValidationError, match=says):
+        Manifest.model_validate(rank_manifest(**changes))
+
+
+def test_hostile_rank_layouts_are_refused() -> None:
+    ranks = rank_manifest()["distributed"]["ranks"]
+    for distributed in (
+        {"world_size": 2, "backend": "gloo", "ranks": ranks[:1]},
+        {"world_size": 2, "backend": "gloo", "ranks": ranks[::-1]},
+        {"world_size": 2, "backend": "gloo", "ranks": [ranks[0], {**ranks[1], "same_as": 1}]},
+        {"world_size": 2, "backend": "gloo", "ranks": [ranks[0], {**ranks[1], "megacache": "x"}]},
+        {"world_size": 99, "backend": "gloo", "ranks": ranks},
+    ):
+        with pytest.raises(ValidationError):
+            Manifest.model_validate(rank_manifest(distributed=distributed))
+
+
+def _rank_archive(path: Path, manifest: dict[str, Any] | None = None, **members: bytes) -> Path:
+    files = {**STORED, **members}
+    return write_archive(
+        path, manifest or rank_manifest(), [reg(p, d) for p, d in sorted(files.items())]
+    )
+
+
+def test_restore_writes_each_copy_from_its_checked_source(tmp_path: Path) -> None:
+    result = restore(_rank_archive(tmp_path / "a.kiln.tar.zst"), tmp_path / "cache")
+    got = tree(tmp_path / "cache")
+    assert got["ranks/1/inductor/a.py"] == got["ranks/0/inductor/a.py"] == b"code\n"
+    assert got["ranks/1/inductor/b.so"] == STORED["ranks/1/inductor/b.so"]
+    assert result.files == 3 and result.summary()["ranks"] == 2
+    assert '/ranks/"$kiln_rank"/inductor' in got["kiln.env"].decode()
+    # Copies, never links: a rank writing into its folder cannot change another rank's file.
+    a, b = (tmp_path / "cache/ranks" / r / "inductor/a.py" for r in "01")
+    assert not a.samefile(b) and a.stat().st_nlink == 1
+
+
+def test_a_copy_is_not_a_member_of_the_archive(tmp_path: Path, installed: Path) -> None:
+    """A member at a copy's path is unlisted (the copy is restore's to write): exit 3."""
+    before = tree(installed)
+    art = _rank_archive(tmp_path / "a.kiln.tar.zst", **{"ranks/1/inductor/a.py": b"evil"})
+    with pytest.raises(IntegrityError, match="not in the manifest"):
+        restore(art, installed)
+    assert tree(installed) == before
+
+
+# --- fuzzing the copies ---------------------------------------------------------------------
+_PARTS = st.sampled_from(["ranks", "0", "1", "2", "inductor", "a.py", "..", ".", "", "kiln.env"])
+_PATHS = st.lists(_PARTS, min_size=1, max_size=5).map("/".join) | st.sampled_from(
+    [*STORED, "ranks/1/inductor/a.py", "ranks/1/new/c.py", "/abs", "ranks/0"]
+)
+FUZZ = settings(
+    max_examples=60,
+    deadline=None,
+    derandomize=True,
+    database=None,
+    suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture],
+)
+
+
+@FUZZ
+@given(copies=st.lists(st.fixed_dictionaries({"path": _PATHS, "source": _PATHS}), max_size=4))
+def test_fuzzed_copies_restore_exactly_the_manifest_or_nothing(
+    tmp_path_factory: pytest.TempPathFactory, copies: list[dict[str, str]]
+) -> None:
+    """Whatever copies a manifest lists, restore installs exactly its entries (each copy with
+    its source's bytes, inside DEST) or refuses with exit 3 and leaves DEST as it was."""
+    tmp = tmp_path_factory.mktemp("fuzz")
+    dest = tmp / "cache"
+    restore(_rank_archive(tmp / "old.kiln.tar.zst"), dest)
+    before = tree(dest)
+    manifest = rank_manifest(copies=copies)
+    try:
+        with hard_limit(10):
+            parsed = Manifest.model_validate(manifest)
+    except ValidationError:
+        parsed = None
+    art = _rank_archive(tmp / "new.kiln.tar.zst", manifest)
+    try:
+        with hard_limit(10):
+            restore(art, dest)
+    except (IntegrityError, UsageError) as exc:
+        assert parsed is None, exc
+        assert tree(dest) == before
+        return
+    except KilnError as exc:  # pragma: no cover - any other kiln error is a finding
+        pytest.fail(f"unexpected {type(exc).__name__}: {exc}")
+    assert parsed is not None
+    got = tree(dest)
+    expected = {c.path: STORED[c.source] for c in parsed.copies} | STORED
+    assert {p: d for p, d in got.items() if p.startswith("ranks/")} == expected
+    assert all(p.resolve().is_relative_to(dest) for p in dest.rglob("*"))
+
+
+# --- the bake's side, without compiling ---------------------------------------------------
+def _file(path: str, data: bytes, kind: str = "code") -> FileEntry:
+    return FileEntry(path=path, size=len(data), sha256=hashlib.sha256(data).hexdigest(), kind=kind)
+
+
+def test_store_once_serves_a_rank_with_rank_0s_keys_from_rank_0s_files() -> None:
+    from kiln.compiler.ranks import store_once
+
+    def rank(r: int, entry: bytes, so: bytes) -> list[FileEntry]:
+        return [
+            _file(
+                f"ranks/{r}/inductor/fxgraph/k1/{hashlib.md5(entry).hexdigest()}", entry, "fxgraph"
+            ),
+            _file(f"ranks/{r}/inductor/ab/cab.py", b"kernel"),
+            _file(f"ranks/{r}/inductor/ab/cab.so", so, "native"),
+        ]
+
+    same = store_once([rank(0, b"t=1", b"so0"), rank(1, b"t=2", b"so1")])
+    assert same.same_as == [None, 0] and len(same.files) == 3
+    assert {c.source for c in same.copies} == {f.path for f in same.files}
+    # Other keys (cuda:1 in them): only byte-identical files are shared.
+    other = rank(1, b"t=2", b"so1")
+    other[0] = _file("ranks/1/inductor/fxgraph/k2/e", b"t=2", "fxgraph")
+    mixed = store_once([rank(0, b"t=1", b"so0"), other])
+    assert mixed.same_as == [None, None] and len(mixed.files) == 5
+    assert [c.path for c in mixed.copies] == ["ranks/1/inductor/ab/cab.py"]
+
+
+def test_rank_requests_move_every_path_into_the_rank_folder(tmp_path: Path) -> None:
+    from kiln.compiler.protocol import WorkerRequest
+    from kiln.compiler.ranks import rank_requests
+
+    base = WorkerRequest(
+        order=["batch=1"],
+        torch_kwargs={},
+        cache_root=str(tmp_path / "inductor"),
+        megacache_save=str(tmp_path / "megacache.bin"),
+    )
+    env = {"TORCHINDUCTOR_CACHE_DIR": str(tmp_path / "inductor"), "TORCH_X": "1"}
+    one = rank_requests(base, env, 2)[1]
+    assert one.cache_root == str(tmp_path / "ranks/1/inductor")
+    assert one.megacache_save == str(tmp_path / "ranks/1/megacache.bin")
+    assert one.env == {"TORCHINDUCTOR_CACHE_DIR": str(tmp_path / "ranks/1/inductor")}
+    assert one.device_index == 1 and (tmp_path / "ranks/1/inductor").is_dir()
+
+
+def test_check_names_a_world_size_or_rank_mismatch() -> None:
+    from kiln.compiler.check import compare_manifest
+
+    m = Manifest.model_validate(rank_manifest())
+    here = {"device.type": "cpu"}
+    assert compare_manifest(m, here, rank=1, world_size=2).ok
+    wrong = compare_manifest(m, here, rank=1, world_size=4)
+    assert [f.name for f in wrong.misses] == ["distributed.world_size"]
+    assert "baked 2, here 4" in wrong.miss_message()
+    outside = compare_manifest(m, here, rank=3, world_size=2)
+    assert [f.name for f in outside.misses] == ["distributed.rank"]
+    unknown = compare_manifest(m, here)
+    assert unknown.ok and {f.name for f in unknown.factors} >= {"distributed.rank"}
+
+
+def test_check_cli_names_the_mismatch_from_the_launch_environment(tmp_path: Path, cli: Any) -> None:
+    dest = tmp_path / "cache"
+    restore(_rank_archive(tmp_path / "a.kiln.tar.zst"), dest)
+    proc = cli("check", dest, env={"RANK": "1", "WORLD_SIZE": "3"})
+    assert proc.returncode == 5, proc.stderr
+    assert "distributed.world_size (baked 2, here 3)" in proc.stderr
+
+
+def test_activate_needs_the_rank_of_a_k_rank_artifact(tmp_path: Path, monkeypatch: Any) -> None:
+    from kiln.compiler.activate import _rank
+
+    m = parse_manifest(Manifest.model_validate(rank_manifest()).to_bytes())
+    monkeypatch.delenv("RANK", raising=False)
+    monkeypatch.delenv("LOCAL_RANK", raising=False)
+    with pytest.raises(UsageError, match="needs RANK or LOCAL_RANK"):
+        _rank(tmp_path, m, None)
+    monkeypatch.setenv("LOCAL_RANK", "1")
+    assert _rank(tmp_path, m, None) == 1
+    with pytest.raises(UsageError, match="not a rank"):
+        _rank(tmp_path, m, 2)
+
+
+# --- the real thing: 2 ranks, gloo, all_reduce in forward ----------------------------------
+@pytest.mark.slow  # ~2 min on 2 cores: 2 compiling ranks, then 3 verifies of 2 ranks each
+def test_two_rank_bake_restore_verify_hits_on_both_ranks(tmp_path: Path) -> None:
+    """Baked by 2 ranks under torchrun, restored at a new path, verified in two shuffled orders
+    and the reverse one: zero compiles on both ranks; each rank's folder and fingerprint are in
+    the manifest, and rank 1 (same keys on the CPU) is served from copies of rank 0's files."""
+    import kiln
+
+    spec_path = tmp_path / "tp.yaml"
+    spec_path.write_text(tp_spec())
+    result = kiln.bake(spec_path, tmp_path / "tp.kiln.tar.zst")
+    m = result.manifest
+    assert m.format == 2 and m.distributed is not None and m.world_size == 2
+    assert [r.rank for r in m.distributed.ranks] == [0, 1]
+    assert all(r.fingerprint.get("device.type") == "cpu" for r in m.distributed.ranks)
+    assert all(len(r.grid) == 2 for r in m.distributed.ranks)
+    assert m.distributed.ranks[1].same_as == 0 and m.stored_bytes * 2 == m.total_bytes
+    dest = tmp_path / "elsewhere" / "cache"
+    kiln.restore(result.artifact, dest, sha256=result.sha256)
+    assert (dest / "ranks/0/inductor").is_dir() and (dest / "ranks/1/inductor").is_dir()
+    for order, seed in (("shuffle", 1), ("shuffle", 2), ("reverse", 0)):
+        report = kiln.verify(spec_path, dest, order=order, seed=seed)
+        assert report.ok, report.reasons()
+        keys = {b.key for b in report.buckets}
+        assert keys == {f"rank {r} · batch={n}" for r in (0, 1) for n in (1, 4)}
+        assert all(b.fx_hits >= 1 for b in report.buckets)
+    # A spec for another world size is refused before anything runs.
+    spec_path.write_text(tp_spec("{world_size: 3, backend: gloo}").replace("64", "96"))
+    with pytest.raises(KilnError, match="baked for 2 rank"):
+        kiln.verify(spec_path, dest)
+
+
+def test_a_k_rank_bake_inside_someone_elses_launch_is_refused(
+    tmp_path: Path, monkeypatch: Any
+) -> None:
+    import kiln
+
+    spec_path = tmp_path / "tp.yaml"
+    spec_path.write_text(tp_spec())
+    monkeypatch.setenv("RANK", "0")
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    with pytest.raises(UsageError, match="starts the 2 ranks itself"):
+        kiln.bake(spec_path, tmp_path / "x.kiln.tar.zst")
+
+
+def test_a_factory_without_rank_kwargs_is_the_specs_problem(tmp_path: Path) -> None:
+    import kiln
+
+    spec_path = tmp_path / "tp.yaml"
+    spec_path.write_text(
+        tp_spec("{world_size: 1, backend: gloo}")
+        .replace("tp_mlp", "tiny_mlp")
+        .replace("hidden: 64", "hidden: 32")
+    )
+    with pytest.raises(SpecError, match="takes rank= and world_size="):
+        kiln.bake(spec_path, tmp_path / "x.kiln.tar.zst")
+    assert not (tmp_path / "x.kiln.tar.zst").exists()
