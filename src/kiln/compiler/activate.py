@@ -5,8 +5,7 @@ is for servers that prefer code: it sets the same environment, also pushes the v
 config objects when torch was imported already (some are read only at import), raises Dynamo's
 recompile limit to fit the baked grid (past the default of 8 shapes torch silently falls back to
 eager), checks compatibility, hot-loads the Mega-Cache blob where this torch has it, and imports
-Inductor and starts its compile worker pool in the background while the server builds its model
-(:class:`InductorWarmup`).
+Inductor and starts its compile worker pool (:func:`prepare_inductor`).
 ``Activation.compile(model)`` then compiles with exactly the baked arguments, or, when the
 artifact carries precompiled forwards, loads them so the process never traces with Dynamo.
 """
@@ -17,7 +16,6 @@ import contextlib
 import logging
 import os
 import sys
-import threading
 import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -54,7 +52,6 @@ class Activation:
     manifest: Manifest
     warnings: list[str] = field(default_factory=list)
     layout: Path | None = None  # this rank's folder (ranks/R) of a K-rank artifact, else cache_dir
-    warmup: InductorWarmup | None = field(default=None, repr=False)
 
     def compile(self, model: Any) -> Any:
         """``model`` compiled as baked: ``torch.compile`` with the spec's exact arguments, or the
@@ -63,8 +60,6 @@ class Activation:
         """
         import torch
 
-        if self.warmup is not None:
-            self.warmup.wait()
         kwargs = served_torch_kwargs(self.manifest)
         if self.manifest.precompiled:
             from kiln.compiler.precompile import PrecompiledForward
@@ -165,10 +160,10 @@ def activate(
         loaded = info is not None
         if not loaded:
             notes.append("torch refused the Mega-Cache blob (the folder caches still apply)")
-    warmup = InductorWarmup(served_torch_kwargs(manifest)).start()
+    prepare_inductor(served_torch_kwargs(manifest))
     for note in notes:
         log.warning("kiln: %s", note)
-    return Activation(cache, env, report, loaded, limit, manifest, notes, layout, warmup=warmup)
+    return Activation(cache, env, report, loaded, limit, manifest, notes, layout)
 
 
 def _rank(cache: Path, manifest: Manifest, rank: int | None) -> int | None:
@@ -184,45 +179,15 @@ def _rank(cache: Path, manifest: Manifest, rank: int | None) -> int | None:
         raise UsageError(f"{cache}: {exc}") from None
 
 
-class InductorWarmup:
-    """Inductor imported and its compile worker pool started in a background thread.
-
-    A restored process spends seconds importing Inductor (measured on the H200: most of the
-    8 s between ``import torch`` and the first compiled call), which torch does inside the first
-    compiled call, after the server has built its model. Building a model is mostly torch's own
-    C++ work (weight init, reading checkpoints, the copy to the GPU), which releases the GIL, so
-    the import can run alongside it. The pool, started here too, comes up in the meantime.
-    ``activate()`` starts one; :meth:`Activation.compile` waits for it.
-    """
-
-    def __init__(self, torch_kwargs: dict[str, Any]) -> None:
-        self.torch_kwargs = torch_kwargs
-        self.error: BaseException | None = None
-        self._thread = threading.Thread(target=self._run, name="kiln-inductor-warmup", daemon=True)
-
-    def start(self) -> InductorWarmup:
-        self._thread.start()
-        return self
-
-    def wait(self) -> None:
-        """Block until Inductor is imported. A failure here is not raised: the first compiled
-        call imports Inductor again and raises torch's own error where the user looks."""
-        self._thread.join()
-        if self.error is not None:
-            log.warning("kiln: warming Inductor up failed (%s); torch will retry", self.error)
-
-    def _run(self) -> None:
-        try:
-            prepare_inductor(self.torch_kwargs)
-        except BaseException as exc:  # reported by wait(), never lost
-            self.error = exc
-
-
 def prepare_inductor(torch_kwargs: dict[str, Any]) -> None:
-    """Import Inductor and start its compile worker pool (:class:`InductorWarmup` runs this
-    alongside the model build; kiln's worker does the same, so bench measures what a server
-    gets). No pool where torch would start none (no Triton) or the compile arguments ask for
-    none (``compile_threads: 1``, as autotuning specs serve).
+    """Import Inductor and start its compile worker pool now, before the model is built.
+
+    torch does both inside the first compiled call, after the model is built; the pool's
+    sidecar process then starts while the first bucket waits. Started here, it comes up while
+    the model builds, and the import is a start-up phase of its own that ``kiln bench`` shows
+    (kiln's worker calls this where activate() does, so bench measures what a server gets). No
+    pool where torch would start none (no Triton) or the compile arguments ask for none
+    (``compile_threads: 1``, as autotuning specs serve).
     """
     import torch._inductor.compile_fx  # noqa: F401  (the first compiled call's import)
     from torch._inductor import config

@@ -34,7 +34,7 @@ from typing import TYPE_CHECKING, Any, TypeVar
 
 from kiln.artifact.manifest import MAX_GRAPH_BREAKS, BucketStats, CompileCounts, GraphBreak
 from kiln.compiler import ranks
-from kiln.compiler.activate import InductorWarmup
+from kiln.compiler.activate import prepare_inductor
 from kiln.compiler.capture import snapshot
 from kiln.compiler.counters import CompileCounters, compile_counts
 from kiln.compiler.dynamo_log import DynamoLog, merge_breaks
@@ -272,12 +272,11 @@ def run(request: WorkerRequest) -> WorkerResult:
     buckets = {b.key: b for b in expand(spec)}
     compiling = request.torch_kwargs is not None
     dynamo = _watch_dynamo(len(buckets), compiling=compiling)
-    warmup = InductorWarmup(request.torch_kwargs or {}).start() if compiling else None
+    if compiling:
+        prepare_inductor(request.torch_kwargs or {})
+        clock.mark("Inductor import + worker pool start")
     model = _build_model(spec, device)
-    clock.mark("model build" + (" (Inductor importing alongside)" if warmup else ""))
-    if warmup is not None:
-        warmup.wait()
-        clock.mark("Inductor import + worker pool: the rest")
+    clock.mark("model build")
     forward = _forward(request, spec, model, _synchronizer(device))
     clock.mark("precompiled load" if request.precompile_load else "compile set-up")
     model_ready = time.time()
