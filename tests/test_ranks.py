@@ -431,3 +431,22 @@ def test_a_factory_without_rank_kwargs_is_the_specs_problem(tmp_path: Path) -> N
     with pytest.raises(SpecError, match="takes rank= and world_size="):
         kiln.bake(spec_path, tmp_path / "x.kiln.tar.zst")
     assert not (tmp_path / "x.kiln.tar.zst").exists()
+
+
+def test_multi_rank_artifacts_and_specs_are_not_sharded_or_merged(tmp_path: Path) -> None:
+    """kiln merge keeps one rank's fields: a K-rank shard is refused (exit 2), and so is
+    ``--shard`` of a distributed spec, before anything compiles."""
+    import kiln
+    from kiln.errors import UsageError
+    from kiln.grid import Shard, expand, shard_grid
+    from kiln.spec import load_spec
+
+    artifact = _rank_archive(tmp_path / "tp.kiln.tar.zst")
+    with pytest.raises(UsageError, match="2-rank artifact; kiln merge combines single-rank"):
+        kiln.merge([artifact, artifact], tmp_path / "out.kiln.tar.zst")
+    assert not (tmp_path / "out.kiln.tar.zst").exists()
+    spec_path = tmp_path / "tp.yaml"
+    spec_path.write_text(tp_spec())
+    spec = load_spec(spec_path)
+    with pytest.raises(UsageError, match=r"distributed spec .* is baked whole"):
+        shard_grid(spec, expand(spec), Shard(0, 2))

@@ -188,6 +188,11 @@ def shard_grid(spec: Spec, buckets: list[Bucket], shard: Shard) -> list[Bucket]:
     it writes) depend on every shape it has seen, so shards would bake graphs a single process
     never serves, and their profiles would collide in ``kiln merge``.
     """
+    if spec.distributed is not None:
+        raise UsageError(
+            f"--shard {shard}: a distributed spec (world_size {spec.distributed.world_size}) is "
+            "baked whole: kiln merge does not combine multi-rank shards"
+        )
     if spec.compile.dynamic is not False:
         raise UsageError(
             f"--shard {shard}: sharding needs compile.dynamic: false (this spec has "

@@ -46,6 +46,7 @@ from kiln.artifact.manifest import (
     Manifest,
     PassStats,
     ShardInfo,
+    first_problem,
 )
 from kiln.artifact.payload import payload_sha256
 from kiln.errors import IncompatibleError, IntegrityError, UsageError
@@ -152,6 +153,13 @@ def _read(path: Path) -> _Input:
     if path.is_dir():
         raise UsageError(f"{path}: is a folder; kiln merge takes artifact files")
     manifest = read_manifest(path)  # exit 4 missing, exit 3 not an artifact
+    if manifest.distributed is not None:
+        # Its per-rank grids, blobs and copies would have to be merged rank by rank; a merge
+        # that kept only the top-level (rank 0's) fields would ship K-1 empty ranks.
+        raise UsageError(
+            f"{path.name}: a {manifest.distributed.world_size}-rank artifact; kiln merge "
+            "combines single-rank shards only (bake a multi-rank spec whole)"
+        )
     return _Input(path, manifest, manifest.shard or ShardInfo.of(1, [0]))
 
 
@@ -448,7 +456,4 @@ def _manifest(
     try:
         return Manifest.model_validate(values)
     except ValidationError as exc:
-        error = exc.errors(include_url=False, include_input=False)[0]
-        where = ".".join(str(p) for p in error["loc"])
-        message = str(error["msg"]).removeprefix("Value error, ")
-        raise IntegrityError(f"the merged manifest is refused: {where}: {message}") from None
+        raise IntegrityError(f"the merged manifest is refused: {first_problem(exc)}") from None
