@@ -26,6 +26,7 @@ from kiln.artifact.manifest import (
     MANIFEST_NAME,
     MAX_MANIFEST_BYTES,
     Manifest,
+    first_problem,
     folders_of,
 )
 from kiln.errors import IntegrityError, NotFoundError, UsageError
@@ -258,13 +259,9 @@ def parse_manifest(data: bytes) -> Manifest:
 
 def _validation_message(exc: ValidationError) -> str:
     """One line for the first problem, naming where it is (``files.3.path``)."""
-    error = exc.errors(include_url=False, include_input=False)[0]
-    where = ".".join(str(part) for part in error["loc"])
-    msg = str(error["msg"])
-    if error["type"] == "value_error":  # one of the Manifest model's own rules
-        msg = msg.removeprefix("Value error, ")
-        return f"manifest.json refused: {where + ': ' if where else ''}{msg}"
-    return f"manifest.json is not a kiln manifest: {where + ': ' if where else ''}{msg}"
+    if exc.errors()[0]["type"] == "value_error":  # one of the Manifest model's own rules
+        return f"manifest.json refused: {first_problem(exc)}"
+    return f"manifest.json is not a kiln manifest: {first_problem(exc)}"
 
 
 def first_member(tar: tarfile.TarFile) -> tarfile.TarInfo | None:

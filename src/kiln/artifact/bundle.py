@@ -45,9 +45,15 @@ from kiln.artifact.archive import (
     source_date_epoch,
     tar_member,
 )
-from kiln.artifact.extract import HashingReader, extract, extract_members, safe_member_name
+from kiln.artifact.extract import (
+    HashingReader,
+    extract,
+    extract_members,
+    listed_member,
+    safe_member_name,
+)
 from kiln.artifact.machine import CAPABILITY, Machine, detect
-from kiln.artifact.manifest import MAX_TOTAL_BYTES, Manifest
+from kiln.artifact.manifest import MAX_TOTAL_BYTES, Manifest, first_problem
 from kiln.artifact.storage.base import copy_hashing
 from kiln.errors import IncompatibleError, IntegrityError, UsageError
 from kiln.events import EventSink
@@ -198,10 +204,8 @@ def key_of(manifest: Manifest) -> VariantKey:
             cuda=text("torch.cuda"),
         )
     except ValidationError as exc:
-        error = exc.errors(include_url=False, include_input=False)[0]
-        where = ".".join(map(str, error["loc"]))
         raise IntegrityError(
-            f"{manifest.name}: fingerprint {where} cannot select a variant: {error['msg']}"
+            f"{manifest.name}: its fingerprint cannot select a variant: {first_problem(exc)}"
         ) from None
 
 
@@ -334,12 +338,7 @@ def parse_index(data: bytes) -> BundleIndex:
     try:
         index = BundleIndex.model_validate_json(data)
     except ValidationError as exc:
-        error = exc.errors(include_url=False, include_input=False)[0]
-        where = ".".join(str(part) for part in error["loc"])
-        msg = str(error["msg"]).removeprefix("Value error, ")
-        raise IntegrityError(
-            f"{INDEX_NAME} refused: {where + ': ' if where else ''}{msg}"
-        ) from None
+        raise IntegrityError(f"{INDEX_NAME} refused: {first_problem(exc)}") from None
     if index.format > BUNDLE_FORMAT:
         raise UsageError(
             f"bundle format {index.format} is newer than this kiln understands ({BUNDLE_FORMAT}): "
@@ -576,18 +575,7 @@ def _find(tar: tarfile.TarFile, index: BundleIndex, chosen: Variant) -> tarfile.
     seen: set[str] = set()
     while (member := tar.next()) is not None:
         name = safe_member_name(member.name)
-        if not member.isreg():
-            raise IntegrityError(f"{name!r} in the bundle is not a regular file: refused")
-        variant = listed.get(name)
-        if variant is None:
-            raise IntegrityError(f"{name!r} is not in {INDEX_NAME}")
-        if name in seen:
-            raise IntegrityError(f"{name!r} appears twice in the bundle")
-        seen.add(name)
-        if member.size != variant.size:
-            raise IntegrityError(
-                f"{name!r} is {member.size} bytes, {INDEX_NAME} says {variant.size}"
-            )
+        variant = listed_member(member, name, listed, seen, INDEX_NAME)
         if variant is chosen:
             return member
     raise IntegrityError(f"bundle is missing variant {chosen.name!r} ({chosen.path})")

@@ -15,8 +15,9 @@ import shutil
 import stat
 import tarfile
 import threading
+from collections.abc import Mapping
 from pathlib import Path, PurePosixPath
-from typing import Any, BinaryIO
+from typing import Any, BinaryIO, Protocol, TypeVar
 
 import zstandard
 
@@ -121,6 +122,33 @@ def safe_member_name(name: str) -> str:
     if problem:
         raise IntegrityError(problem)
     return name.rstrip("/")
+
+
+class _Listed(Protocol):
+    @property
+    def size(self) -> int: ...
+
+
+_L = TypeVar("_L", bound=_Listed)
+
+
+def listed_member(
+    member: tarfile.TarInfo, name: str, listed: Mapping[str, _L], seen: set[str], listing: str
+) -> _L:
+    """``member``'s entry in ``listed`` (a manifest's files, a bundle's variants); exit 3 unless
+    it is a regular file, listed, met once, at its listed size. One rule for every reader of an
+    untrusted tar stream, so a bundle is held to what an artifact is."""
+    if not member.isreg():
+        raise IntegrityError(f"{name!r} is a {_member_kind(member)}, not a regular file: refused")
+    entry = listed.get(name)
+    if entry is None:
+        raise IntegrityError(f"{name!r} is not in {listing}")
+    if name in seen:
+        raise IntegrityError(f"{name!r} appears twice in the archive")
+    seen.add(name)
+    if member.size != entry.size:
+        raise IntegrityError(f"{name!r} is {member.size} bytes, {listing} says {entry.size}")
+    return entry
 
 
 def _member_kind(m: tarfile.TarInfo) -> str:
@@ -244,18 +272,7 @@ def extract_members(
                 if name not in dirs:
                     raise IntegrityError(f"folder {name!r} is not in the manifest")
                 continue
-            if not member.isreg():
-                raise IntegrityError(f"{name!r} is a {_member_kind(member)}: refused")
-            entry = allowed.get(name)
-            if entry is None:
-                raise IntegrityError(f"{name!r} is not in the manifest")
-            if name in seen:
-                raise IntegrityError(f"{name!r} appears twice in the archive")
-            seen.add(name)
-            if member.size != entry.size:
-                raise IntegrityError(
-                    f"{name!r} is {member.size} bytes, the manifest says {entry.size}"
-                )
+            entry = listed_member(member, name, allowed, seen, "the manifest")
             src = tar.extractfile(member)
             assert src is not None
             writer.begin(tree / name, entry)

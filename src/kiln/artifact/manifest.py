@@ -15,9 +15,17 @@ from __future__ import annotations
 
 import json
 import re
-from typing import Any
+from typing import Annotated, Any
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import (
+    AfterValidator,
+    BaseModel,
+    ConfigDict,
+    Field,
+    ValidationError,
+    field_validator,
+    model_validator,
+)
 
 from kiln._version import __version__
 from kiln.serving import MANIFEST_NAME as MANIFEST_NAME  # re-exported: imported from here
@@ -87,6 +95,26 @@ def path_problem(path: str) -> str | None:
     return None
 
 
+def first_problem(exc: ValidationError) -> str:
+    """One line for a model's first problem, naming where it is (``files.3.path: …``): how
+    every reader of untrusted JSON (manifests, bundle indexes, registry annotations) says it."""
+    error = exc.errors(include_url=False, include_input=False)[0]
+    where = ".".join(str(part) for part in error["loc"])
+    msg = str(error["msg"]).removeprefix("Value error, ")
+    return f"{where}: {msg}" if where else msg
+
+
+def _checked_path(path: str) -> str:
+    problem = path_problem(path)
+    if problem:
+        raise ValueError(problem)
+    return path
+
+
+# A path inside an artifact, checked by :func:`path_problem` wherever a model names one.
+SafePath = Annotated[str, AfterValidator(_checked_path)]
+
+
 def folders_of(paths: list[str]) -> set[str]:
     """Every folder the given file paths need (``a/b/c`` needs ``a`` and ``a/b``)."""
     out: set[str] = set()
@@ -102,18 +130,10 @@ class _Model(BaseModel):
 
 
 class FileEntry(_Model):
-    path: str  # posix, relative to the artifact root, e.g. "inductor/fxgraph/..."
+    path: SafePath  # posix, relative to the artifact root, e.g. "inductor/fxgraph/..."
     size: int = Field(ge=0, le=MAX_TOTAL_BYTES)
     sha256: str = Field(pattern=r"^[0-9a-f]{64}$")
     kind: str = Field(max_length=64)
-
-    @field_validator("path")
-    @classmethod
-    def _safe_path(cls, path: str) -> str:
-        problem = path_problem(path)
-        if problem:
-            raise ValueError(problem)
-        return path
 
 
 NEW_FILES_SAMPLE = 12  # file names kept per bucket: enough to say which kernels were built
@@ -269,16 +289,8 @@ class CopyEntry(_Model):
     once. ``source`` must be a stored file (a ``files`` entry), never another copy, so a copy
     carries that entry's size and sha256 and is checked against them when it is written."""
 
-    path: str
-    source: str
-
-    @field_validator("path", "source")
-    @classmethod
-    def _safe_path(cls, path: str) -> str:
-        problem = path_problem(path)
-        if problem:
-            raise ValueError(problem)
-        return path
+    path: SafePath
+    source: SafePath
 
 
 class RankCaches(_Model):

@@ -26,6 +26,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import IO, Any
 
+from kiln.artifact.manifest import first_problem
 from kiln.artifact.storage.base import (
     ATTEMPTS,
     DOWNLOAD_NAME,
@@ -414,10 +415,8 @@ def _index_variants(doc: dict[str, Any], url: str) -> tuple[list[Any], dict[str,
         try:
             candidate = Candidate(**{k: v for k, v in fields.items() if v is not None})
         except ValidationError as exc:
-            error = exc.errors(include_url=False, include_input=False)[0]
-            where = ".".join(map(str, error["loc"]))
             raise IntegrityError(
-                f"{url}: bundle index entry refused: {where}: {error['msg']}"
+                f"{url}: bundle index entry refused: {first_problem(exc)}"
             ) from None
         if candidate.name in digests or candidate.key in keys:
             raise IntegrityError(f"{url}: bundle index lists {candidate.name!r} twice")
