@@ -67,6 +67,10 @@ def test_inspect_real_artifact_without_torch(baked, cli) -> None:
     assert proc.returncode == 0, proc.stderr
     for word in ("tiny-mlp", "batch=5", "fxgraph", "native", "torch", "torch.compile(backend="):
         assert word in proc.stdout
+    # The bake's proof, as the manifest records it (issue 13).
+    assert "proven: a fresh process served the packed artifact at another path: 0 compiles" in (
+        " ".join(proc.stdout.split())
+    )
 
 
 def test_env_command(cli) -> None:
