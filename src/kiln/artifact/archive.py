@@ -264,6 +264,22 @@ def _validation_message(exc: ValidationError) -> str:
     return f"manifest.json is not a kiln manifest: {first_problem(exc)}"
 
 
+def read_index_bytes(tar: tarfile.TarFile, member: tarfile.TarInfo, limit: int, what: str) -> bytes:
+    """The bytes of ``member``, an archive's index (an artifact's ``manifest.json``, a bundle's
+    ``bundle.json``): refused from its tar header when it is over ``limit``, before a byte of
+    it is read; a stream cut inside it is exit 3."""
+    if member.size > limit:
+        raise IntegrityError(
+            f"{member.name} is {member.size} bytes, more than kiln reads ({limit})"
+        )
+    fh = tar.extractfile(member)
+    assert fh is not None
+    try:
+        return fh.read()
+    except _TAR_FAULTS as exc:
+        raise IntegrityError(f"{what} truncated in {member.name}: {exc}") from None
+
+
 def first_member(tar: tarfile.TarFile) -> tarfile.TarInfo | None:
     """The archive's first member (None for an empty archive): ``manifest.json`` in an artifact,
     ``bundle.json`` in a bundle (:mod:`kiln.artifact.bundle`), which is how readers tell them
@@ -282,17 +298,7 @@ def read_manifest_member(tar: tarfile.TarFile, first: tarfile.TarInfo | None = N
         first = first_member(tar)
     if first is None or first.name != MANIFEST_NAME or not first.isreg():
         raise IntegrityError("not a kiln artifact: manifest.json is not the first member")
-    if first.size > MAX_MANIFEST_BYTES:
-        raise IntegrityError(
-            f"manifest.json is {first.size} bytes, more than kiln reads ({MAX_MANIFEST_BYTES})"
-        )
-    fh = tar.extractfile(first)
-    assert fh is not None
-    try:
-        data = fh.read()
-    except _TAR_FAULTS as exc:
-        raise IntegrityError(f"artifact truncated in manifest.json: {exc}") from None
-    manifest = parse_manifest(data)
+    manifest = parse_manifest(read_index_bytes(tar, first, MAX_MANIFEST_BYTES, "artifact"))
     if isinstance(tar, _BoundedTarFile):
         # The manifest, each listed file, and at most one entry per folder they need.
         folders = folders_of([f.path for f in manifest.files])

@@ -40,6 +40,7 @@ from kiln.artifact.archive import (
     HashingWriter,
     first_member,
     open_tar_stream,
+    read_index_bytes,
     read_manifest_member,
     sha256_of,
     source_date_epoch,
@@ -352,17 +353,7 @@ def read_index_member(tar: tarfile.TarFile, first: tarfile.TarInfo) -> BundleInd
     header; then the archive is bounded to the members the index lists."""
     if not first.isreg():
         raise IntegrityError(f"not a kiln bundle: {INDEX_NAME} is not a regular file")
-    if first.size > MAX_INDEX_BYTES:
-        raise IntegrityError(
-            f"{INDEX_NAME} is {first.size} bytes, more than kiln reads ({MAX_INDEX_BYTES})"
-        )
-    fh = tar.extractfile(first)
-    assert fh is not None
-    try:
-        data = fh.read()
-    except _TAR_FAULTS as exc:
-        raise IntegrityError(f"bundle truncated in {INDEX_NAME}: {exc}") from None
-    index = parse_index(data)
+    index = parse_index(read_index_bytes(tar, first, MAX_INDEX_BYTES, "bundle"))
     if hasattr(tar, "max_members"):
         tar.max_members = 1 + len(index.variants)
     return index
