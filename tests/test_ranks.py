@@ -1,6 +1,7 @@
 """Multi-rank (tensor-parallel) models (issue 15): the spec section, the per-rank layout and its
 copies in the manifest, restore of a K-rank artifact, ``kiln.env`` sourced per rank, the rank
-factors of ``kiln check``, and a real 2-rank gloo bake → restore → verify on the CPU."""
+factors of ``kiln check``, sharded K-rank bakes merged rank by rank by ``kiln merge``, and
+real 2-rank gloo bakes (whole, and as 2 merged shards) → restore → verify on the CPU."""
 
 from __future__ import annotations
 
@@ -607,3 +608,28 @@ def test_a_distributed_spec_shards_like_any_other(write_spec: Any) -> None:
     for index in (0, 1):
         sliced = shard_grid(spec, expand(spec), Shard(index, 2))
         assert sliced == shard_buckets(expand(spec), Shard(index, 2)) and len(sliced) == 1
+
+
+@pytest.mark.slow  # two 2-rank CPU bakes (unproven), a merge, a restore and a 2-rank verify
+def test_two_rank_shards_bake_merge_restore_and_verify(tmp_path: Path) -> None:
+    """configs/tp-mlp-cpu.yaml baked as 2 shards of 2 ranks each (``--no-prove``: the verify
+    below is the proof), merged, restored at a new path: zero compiles on both ranks."""
+    import kiln
+
+    spec_path = ROOT / "configs" / "tp-mlp-cpu.yaml"
+    shards = []
+    for index in (0, 1):
+        out = tmp_path / f"shard-{index}.kiln.tar.zst"
+        result = kiln.bake(spec_path, out, shard=f"{index}/2", prove=False)
+        assert result.manifest.world_size == 2 and result.manifest.shard is not None
+        shards.append(out)
+    merged = kiln.merge(shards[::-1], tmp_path / "merged.kiln.tar.zst")
+    m = merged.manifest
+    assert m.distributed is not None and m.shard is not None and m.shard.complete
+    keys = ["batch=1", "batch=4", "batch=16"]
+    assert all([s.key for s in r.grid] == keys for r in m.distributed.ranks)
+    dest = tmp_path / "elsewhere" / "cache"
+    kiln.restore(merged.artifact, dest, sha256=merged.sha256)
+    report = kiln.verify(spec_path, dest, order="shuffle", seed=1)
+    assert report.ok, report.reasons()
+    assert {b.key for b in report.buckets} == {f"rank {r} · {k}" for r in (0, 1) for k in keys}
