@@ -1,6 +1,7 @@
 """Multi-rank (tensor-parallel) models (issue 15): the spec section, the per-rank layout and its
 copies in the manifest, restore of a K-rank artifact, ``kiln.env`` sourced per rank, the rank
-factors of ``kiln check``, and a real 2-rank gloo bake → restore → verify on the CPU."""
+factors of ``kiln check``, sharded K-rank bakes merged rank by rank by ``kiln merge``, and
+real 2-rank gloo bakes (whole, and as 2 merged shards) → restore → verify on the CPU."""
 
 from __future__ import annotations
 
@@ -433,20 +434,202 @@ def test_a_factory_without_rank_kwargs_is_the_specs_problem(tmp_path: Path) -> N
     assert not (tmp_path / "x.kiln.tar.zst").exists()
 
 
-def test_multi_rank_artifacts_and_specs_are_not_sharded_or_merged(tmp_path: Path) -> None:
-    """kiln merge keeps one rank's fields: a K-rank shard is refused (exit 2), and so is
-    ``--shard`` of a distributed spec, before anything compiles."""
+# --- sharded K-rank bakes and kiln merge ---------------------------------------------------
+RANK_FP = {"device.type": "cpu", "torch.version": "2.13.0+cpu", "python": "3.11.7"}
+
+
+def rank_shard(
+    tmp: Path,
+    spec_path: Path,
+    index: int,
+    count: int,
+    *,
+    identical: bool = False,
+    rank_fps: list[dict[str, Any]] | None = None,
+    name: str | None = None,
+) -> Path:
+    """Shard ``index``/``count`` of a 2-rank spec as `kiln bake --shard` writes it, by hand:
+    per rank one FX entry per bucket it owns, a kernel every rank and shard compiled (stored
+    once, the other rank's a copy), a Mega-Cache blob, and unless ``identical`` a file of the
+    rank's own (so rank 1 is not rank 0's cache and only byte-equal files are shared)."""
+    from kiln.artifact.archive import write_artifact
+    from kiln.artifact.manifest import BucketStats, PassStats, ShardInfo
+    from kiln.artifact.ranks_layout import store_once
+    from kiln.grid import Shard, expand, shard_buckets
+    from kiln.spec import load_spec
+    from tests.test_merge import megacache_blob
+
+    spec = load_spec(spec_path)
+    world = spec.world_size
+    fps = rank_fps or [RANK_FP] * world
+    buckets = shard_buckets(expand(spec), Shard(index, count))
+    root = tmp / f"root-{name or index}"
+    by_rank: list[list[FileEntry]] = []
+    for rank in range(world):
+        content = {"inductor/th/kernel.so": b"\x7fELF kernel"}
+        content |= {f"inductor/fxgraph/{b.key}/entry": f"graph {b.key}".encode() for b in buckets}
+        if not identical:
+            content[f"inductor/own/{rank}.py"] = b"rank %d" % rank
+        content["megacache.bin"] = megacache_blob(
+            {"inductor": [(f"fkey{index}", b"entry %d" % index)], "aot_autograd": []}
+        )
+        files = []
+        for rel, data in sorted(content.items()):
+            path = f"ranks/{rank}/{rel}"
+            (root / path).parent.mkdir(parents=True, exist_ok=True)
+            (root / path).write_bytes(data)
+            kind = "megacache" if rel == "megacache.bin" else "other"
+            files.append(_file(path, data, kind))
+        by_rank.append(files)
+    stored = store_once(by_rank)
+    grid = [
+        BucketStats(key=b.key, sizes=b.as_dict(), first_call_s=1.0, steady_s=0.01, fx_misses=1)
+        for b in buckets
+    ]
+    passes = [PassStats(order=[b.key for b in buckets], compiles=len(buckets), wall_s=1.0)]
+    ranks = [
+        {
+            "rank": rank,
+            "fingerprint": fps[rank],
+            "grid": grid,
+            "passes": passes,
+            "megacache": f"ranks/{rank}/megacache.bin",
+            "same_as": stored.same_as[rank],
+        }
+        for rank in range(world)
+    ]
+    manifest = Manifest.model_validate(
+        {
+            "format": 2,
+            "name": spec.name,
+            "created": "2026-12-03T10:00:00+00:00",
+            "spec": spec.canonical(),
+            "spec_sha256": spec.sha256(),
+            "fingerprint": fps[0],
+            "grid": grid,
+            "passes": passes,
+            "files": stored.files,
+            "copies": stored.copies,
+            "megacache": "ranks/0/megacache.bin",
+            "compile_kwargs": {"backend": "inductor", "dynamic": False},
+            "shard": ShardInfo.of(count, [index]),
+            "distributed": {"world_size": world, "backend": "gloo", "ranks": ranks},
+        }
+    )
+    out = tmp / f"{name or f'shard-{index}'}.kiln.tar.zst"
+    write_artifact(out, manifest, root)
+    return out
+
+
+@pytest.mark.parametrize("identical", [False, True])
+def test_two_rank_shards_merge_rank_by_rank_and_restore(
+    tmp_path: Path, write_spec: Any, cli: Any, identical: bool
+) -> None:
+    """Two 2-rank shards merge into one 2-rank artifact: each rank's grid is the union, each
+    rank's Mega-Cache blob holds both shards' entries, storage is decided across ranks again
+    (rank 1 is rank 0's cache when its keys are; else only byte-equal files are copies), the
+    same bytes in either order, torch-free, and it restores with every rank's files."""
+    from kiln.artifact.archive import read_manifest
+    from kiln.artifact.blobs import read_megacache
+
+    spec_path = write_spec(tp_spec())
+    shards = [rank_shard(tmp_path, spec_path, i, 2, identical=identical) for i in (0, 1)]
+    a, b = tmp_path / "a.kiln.tar.zst", tmp_path / "b.kiln.tar.zst"
+    for out, order in ((a, shards), (b, shards[::-1])):
+        proc = cli("merge", *order, "-o", out, no_torch=True)
+        assert proc.returncode == 0, proc.stderr
+    assert a.read_bytes() == b.read_bytes()
+
+    m = read_manifest(a)
+    assert m.format == 2 and m.distributed is not None and m.world_size == 2
+    assert m.shard is not None and m.shard.complete
+    keys = ["batch=1", "batch=4"]
+    assert [s.key for s in m.grid] == keys
+    for r in m.distributed.ranks:
+        assert [s.key for s in r.grid] == keys and len(r.passes) == 2
+        assert r.megacache == f"ranks/{r.rank}/megacache.bin"
+        assert r.same_as == (0 if identical and r.rank == 1 else None)
+    assert m.megacache == m.distributed.ranks[0].megacache
+    assert m.payload_sha256 is not None and not m.warnings
+    paths = {f.path for f in m.files} | {c.path for c in m.copies}
+    for rank in (0, 1):
+        assert {f"ranks/{rank}/inductor/fxgraph/{k}/entry" for k in keys} <= paths
+    if identical:
+        assert all(f.path.startswith("ranks/0/") for f in m.files)
+    else:
+        assert "ranks/1/inductor/own/1.py" in {f.path for f in m.files}
+        copied = {c.path: c.source for c in m.copies}
+        assert copied["ranks/1/inductor/th/kernel.so"] == "ranks/0/inductor/th/kernel.so"
+
+    dest = tmp_path / "elsewhere" / "cache"
+    result = restore(a, dest)
+    got = tree(dest)
+    assert result.summary()["ranks"] == 2 and result.files == len(m.entries())
+    for rank in (0, 1):
+        for k in keys:
+            assert got[f"ranks/{rank}/inductor/fxgraph/{k}/entry"] == f"graph {k}".encode()
+        blob = dest / f"ranks/{rank}/megacache.bin"
+        assert {e.key for e in read_megacache(blob)} == {"fkey0", "fkey1"}
+    assert '/ranks/"$kiln_rank"/inductor' in got["kiln.env"].decode()
+    proc = _source(got["kiln.env"].decode(), tmp_path, RANK="1")
+    assert proc.stdout.split("|")[0] == f"{dest}/ranks/1/inductor"
+
+
+def test_rank_shards_of_another_world_size_are_exit_2(tmp_path: Path, write_spec: Any) -> None:
     import kiln
-    from kiln.errors import UsageError
-    from kiln.grid import Shard, expand, shard_grid
+
+    two = rank_shard(tmp_path, write_spec(tp_spec(), "two.yaml"), 0, 2)
+    three_spec = write_spec(tp_spec("{world_size: 3, backend: gloo}"), "three.yaml")
+    three = rank_shard(tmp_path, three_spec, 1, 2, name="three")
+    out = tmp_path / "out.kiln.tar.zst"
+    with pytest.raises(UsageError, match=r"for 3 ranks \(gloo\) and .* for 2 ranks \(gloo\)"):
+        kiln.merge([two, three], out)
+    assert not out.exists()
+
+
+def test_a_ranks_other_fingerprint_is_exit_5_naming_factor_and_rank(
+    tmp_path: Path, write_spec: Any, cli: Any
+) -> None:
+    spec_path = write_spec(tp_spec())
+    a = rank_shard(tmp_path, spec_path, 0, 2)
+    other = {**RANK_FP, "torch.version": "2.12.0+cpu"}
+    b = rank_shard(tmp_path, spec_path, 1, 2, rank_fps=[RANK_FP, other])
+    proc = cli("merge", a, b, "-o", tmp_path / "out.kiln.tar.zst", no_torch=True)
+    assert proc.returncode == 5, proc.stderr
+    assert "on rank 1: torch.version" in proc.stderr
+    assert not (tmp_path / "out.kiln.tar.zst").exists()
+
+
+def test_a_distributed_spec_shards_like_any_other(write_spec: Any) -> None:
+    from kiln.grid import Shard, expand, shard_buckets, shard_grid
     from kiln.spec import load_spec
 
-    artifact = _rank_archive(tmp_path / "tp.kiln.tar.zst")
-    with pytest.raises(UsageError, match="2-rank artifact; kiln merge combines single-rank"):
-        kiln.merge([artifact, artifact], tmp_path / "out.kiln.tar.zst")
-    assert not (tmp_path / "out.kiln.tar.zst").exists()
-    spec_path = tmp_path / "tp.yaml"
-    spec_path.write_text(tp_spec())
-    spec = load_spec(spec_path)
-    with pytest.raises(UsageError, match=r"distributed spec .* is baked whole"):
-        shard_grid(spec, expand(spec), Shard(0, 2))
+    spec = load_spec(write_spec(tp_spec()))
+    for index in (0, 1):
+        sliced = shard_grid(spec, expand(spec), Shard(index, 2))
+        assert sliced == shard_buckets(expand(spec), Shard(index, 2)) and len(sliced) == 1
+
+
+@pytest.mark.slow  # two 2-rank CPU bakes (unproven), a merge, a restore and a 2-rank verify
+def test_two_rank_shards_bake_merge_restore_and_verify(tmp_path: Path) -> None:
+    """configs/tp-mlp-cpu.yaml baked as 2 shards of 2 ranks each (``--no-prove``: the verify
+    below is the proof), merged, restored at a new path: zero compiles on both ranks."""
+    import kiln
+
+    spec_path = ROOT / "configs" / "tp-mlp-cpu.yaml"
+    shards = []
+    for index in (0, 1):
+        out = tmp_path / f"shard-{index}.kiln.tar.zst"
+        result = kiln.bake(spec_path, out, shard=f"{index}/2", prove=False)
+        assert result.manifest.world_size == 2 and result.manifest.shard is not None
+        shards.append(out)
+    merged = kiln.merge(shards[::-1], tmp_path / "merged.kiln.tar.zst")
+    m = merged.manifest
+    assert m.distributed is not None and m.shard is not None and m.shard.complete
+    keys = ["batch=1", "batch=4", "batch=16"]
+    assert all([s.key for s in r.grid] == keys for r in m.distributed.ranks)
+    dest = tmp_path / "elsewhere" / "cache"
+    kiln.restore(merged.artifact, dest, sha256=merged.sha256)
+    report = kiln.verify(spec_path, dest, order="shuffle", seed=1)
+    assert report.ok, report.reasons()
+    assert {b.key for b in report.buckets} == {f"rank {r} · {k}" for r in (0, 1) for k in keys}

@@ -186,13 +186,10 @@ def shard_grid(spec: Spec, buckets: list[Bucket], shard: Shard) -> list[Bucket]:
     Only static shapes (``dynamic: false``) split: each bucket is then its own graph, whoever
     compiles it. With automatic or forced dynamic shapes a process's graphs (and the PGO profile
     it writes) depend on every shape it has seen, so shards would bake graphs a single process
-    never serves, and their profiles would collide in ``kiln merge``.
+    never serves, and their profiles would collide in ``kiln merge``. A distributed spec shards
+    like any other: every rank of a shard bakes the shard's buckets, and ``kiln merge`` pairs the
+    shards' ranks up.
     """
-    if spec.distributed is not None:
-        raise UsageError(
-            f"--shard {shard}: a distributed spec (world_size {spec.distributed.world_size}) is "
-            "baked whole: kiln merge does not combine multi-rank shards"
-        )
     if spec.compile.dynamic is not False:
         raise UsageError(
             f"--shard {shard}: sharding needs compile.dynamic: false (this spec has "

@@ -18,6 +18,12 @@ The inputs are untrusted like any artifact: each is unpacked by the restore path
 checked, bounded), then the union is packed by the same deterministic writer as a bake. The
 merged manifest's ``created`` is the latest shard's (or ``SOURCE_DATE_EPOCH``), inputs are
 ordered by shard index: the same shards in any order give the same bytes. Torch-free.
+
+Multi-rank (``distributed:``) shards merge rank by rank: one world size and backend (exit 2),
+each rank's fingerprint compared like the top-level one (exit 5 naming the factor and the
+rank), each rank's grid, passes and blobs the union of that rank's in every shard, and every
+file a rank has (stored or a copy) taken into one set whose storage is decided again, across
+ranks, by the rule a K-rank bake uses (:func:`kiln.artifact.ranks_layout.store_once`).
 """
 
 from __future__ import annotations
@@ -41,19 +47,24 @@ from kiln.artifact.blobs import BlobFormatError, merge_megacache, merge_precompi
 from kiln.artifact.extract import extract
 from kiln.artifact.manifest import (
     MAX_SHARDS,
+    RANKS_FORMAT,
     BucketStats,
+    Distributed,
     FileEntry,
     Manifest,
     PassStats,
+    RankCaches,
     ShardInfo,
     first_problem,
+    rank_of,
 )
 from kiln.artifact.payload import payload_sha256
+from kiln.artifact.ranks_layout import store_once
 from kiln.errors import IncompatibleError, IntegrityError, UsageError
 from kiln.events import EventSink, Packed, Packing, ignore
 from kiln.factors import compare, misses
 from kiln.grid import assign_shards, expand
-from kiln.serving import MEGACACHE_NAME, PRECOMPILED_NAME
+from kiln.serving import MEGACACHE_NAME, PRECOMPILED_NAME, RANKS_DIR
 from kiln.spec import Spec
 
 # Manifest fields one spec determines: shards that differ in one were not baked from one spec.
@@ -79,6 +90,7 @@ class MergeResult:
             "size": self.size,
             "name": m.name,
             "shard": m.shard.model_dump() if m.shard is not None else None,
+            "world_size": m.world_size,
             "inputs": [str(p) for p in self.inputs],
             "buckets": len(m.grid),
             "files": len(m.files),
@@ -117,10 +129,12 @@ def merge(
     if len(artifacts) > MAX_SHARDS:
         raise UsageError(f"{len(artifacts)} artifacts: kiln merges at most {MAX_SHARDS}")
     inputs = [_read(Path(a)) for a in artifacts]
+    world = _same_ranks(inputs)
     spec = _same_spec(inputs)
     _same_environment(inputs)
     inputs, shard, missing = _shards(inputs, spec, partial)
     grid = _grid(inputs, spec)
+    rank_grids = [_grid(inputs, spec, rank) for rank in range(world)] if world > 1 else []
     files, shared = _files(inputs)
     warnings = _warnings(inputs, shard, missing, spec)
     out.parent.mkdir(parents=True, exist_ok=True)
@@ -131,8 +145,16 @@ def merge(
         for entry, index in files.values():
             _place(trees[index] / entry.path, merged / entry.path)
         entries = [entry for entry, _ in files.values()]
-        megacache, precompiled = _blobs(inputs, trees, merged, entries, warnings)
-        manifest = _manifest(inputs, spec, grid, entries, shard, warnings, megacache, precompiled)
+        if world > 1:
+            blobs = [_blobs(inputs, trees, merged, entries, warnings, r) for r in range(world)]
+            megacache, precompiled = blobs[0]
+            distributed = _distributed(inputs, rank_grids, blobs)
+        else:
+            megacache, precompiled = _blobs(inputs, trees, merged, entries, warnings)
+            distributed = None
+        manifest = _manifest(
+            inputs, spec, grid, entries, shard, warnings, megacache, precompiled, distributed
+        )
         emit(Packing(total=manifest.total_bytes))
         sha, size = write_artifact(out, manifest, merged, on_bytes=lambda n: emit(Packed(bytes=n)))
     finally:
@@ -153,14 +175,31 @@ def _read(path: Path) -> _Input:
     if path.is_dir():
         raise UsageError(f"{path}: is a folder; kiln merge takes artifact files")
     manifest = read_manifest(path)  # exit 4 missing, exit 3 not an artifact
-    if manifest.distributed is not None:
-        # Its per-rank grids, blobs and copies would have to be merged rank by rank; a merge
-        # that kept only the top-level (rank 0's) fields would ship K-1 empty ranks.
-        raise UsageError(
-            f"{path.name}: a {manifest.distributed.world_size}-rank artifact; kiln merge "
-            "combines single-rank shards only (bake a multi-rank spec whole)"
-        )
     return _Input(path, manifest, manifest.shard or ShardInfo.of(1, [0]))
+
+
+def _ranks_of(manifest: Manifest) -> str:
+    d = manifest.distributed
+    return f"{d.world_size} ranks ({d.backend})" if d is not None else "1 rank"
+
+
+def _same_ranks(inputs: list[_Input]) -> int:
+    """The one world size every input was baked for (1: not distributed); exit 2 naming the
+    first that differs. Checked before the spec so the message says what differs."""
+    first = inputs[0]
+    for other in inputs[1:]:
+        a, b = first.manifest.distributed, other.manifest.distributed
+        if (a and (a.world_size, a.backend)) != (b and (b.world_size, b.backend)):
+            raise UsageError(
+                f"{other.path.name} was baked for {_ranks_of(other.manifest)} and "
+                f"{first.path.name} for {_ranks_of(first.manifest)}: merge the shards of one bake"
+            )
+    return first.manifest.world_size
+
+
+def _rank(manifest: Manifest, rank: int) -> RankCaches:
+    assert manifest.distributed is not None
+    return manifest.distributed.ranks[rank]
 
 
 def _same_spec(inputs: list[_Input]) -> Spec:
@@ -192,19 +231,31 @@ def _short(value: object) -> str:
     return repr(text if len(text) <= 24 else text[:24] + "…")
 
 
+def _fingerprints(manifest: Manifest) -> list[tuple[str, dict[str, Any]]]:
+    """(where, fingerprint): the top-level one, then each rank's (a rank's process has its
+    own, its device index included), each checked like the top-level one."""
+    out = [("", manifest.fingerprint)]
+    if manifest.distributed is not None:
+        out += [(f" on rank {r.rank}", r.fingerprint) for r in manifest.distributed.ranks]
+    return out
+
+
 def _same_environment(inputs: list[_Input]) -> None:
     """Every factor torch folds into its cache keys is the same in every shard: a merged
     artifact is checked (``kiln check``) against one fingerprint, so it must hold for all."""
     first = inputs[0]
     for other in inputs[1:]:
-        differ = misses(compare(first.manifest.fingerprint, other.manifest.fingerprint))
-        if differ:
-            names = ", ".join(f"{f.name} ({f.here!r} vs {f.baked!r})" for f in differ)
-            raise IncompatibleError(
-                f"{other.path.name} was baked in another environment than "
-                f"{first.path.name}: {names}: bake every shard on one machine type and image",
-                detail={"differing": [f.to_dict() for f in differ]},
-            )
+        pairs = zip(_fingerprints(first.manifest), _fingerprints(other.manifest), strict=True)
+        for (where, mine), (_, theirs) in pairs:
+            differ = misses(compare(mine, theirs))
+            if differ:
+                names = ", ".join(f"{f.name} ({f.here!r} vs {f.baked!r})" for f in differ)
+                raise IncompatibleError(
+                    f"{other.path.name} was baked in another environment than "
+                    f"{first.path.name}{where}: {names}: bake every shard on one machine type "
+                    "and image",
+                    detail={"differing": [f.to_dict() for f in differ], "where": where.strip()},
+                )
 
 
 def _shards(
@@ -237,45 +288,58 @@ def _shards(
     return ordered, ShardInfo.of(count, sorted(owner)), missing
 
 
-def _grid(inputs: list[_Input], spec: Spec) -> list[BucketStats]:
-    """The union of the shards' bucket stats, in grid order; each bucket from one shard, the one
-    :func:`kiln.grid.assign_shards` deals it to (so two kilns that slice differently cannot
-    leave a bucket out or bake it twice unnoticed)."""
+def _grid(inputs: list[_Input], spec: Spec, rank: int | None = None) -> list[BucketStats]:
+    """The union of the shards' bucket stats (``rank``'s, or the top-level ones), in grid order;
+    each bucket from one shard, the one :func:`kiln.grid.assign_shards` deals it to (so two
+    kilns that slice differently cannot leave a bucket out or bake it twice unnoticed)."""
     buckets = expand(spec)
     place = {b.key: i for i, b in enumerate(buckets)}
     count = inputs[0].shard.count
     dealt = assign_shards(buckets, count) if count <= len(buckets) else {}
+    where = "" if rank is None else f" (rank {rank})"
+
+    def grid_of(item: _Input) -> list[BucketStats]:
+        return item.manifest.grid if rank is None else _rank(item.manifest, rank).grid
+
     seen: dict[str, _Input] = {}
     for item in inputs:
-        for stats in item.manifest.grid:
+        for stats in grid_of(item):
             if stats.key not in place:
-                raise IntegrityError(f"{item.label}: bucket {stats.key} is not in its spec's grid")
+                raise IntegrityError(
+                    f"{item.label}: bucket {stats.key}{where} is not in its spec's grid"
+                )
             if stats.key in seen:
                 raise UsageError(
-                    f"bucket {stats.key} is in both {seen[stats.key].path.name} and "
+                    f"bucket {stats.key}{where} is in both {seen[stats.key].path.name} and "
                     f"{item.path.name}: each bucket must come from one shard"
                 )
             if count > 1 and dealt.get(stats.key) not in item.shard.indexes:
                 raise UsageError(
-                    f"{item.label} holds bucket {stats.key}, which this kiln deals to shard "
-                    f"{dealt.get(stats.key)}/{count}: bake every shard with one kiln version"
+                    f"{item.label} holds bucket {stats.key}{where}, which this kiln deals to "
+                    f"shard {dealt.get(stats.key)}/{count}: bake every shard with one kiln version"
                 )
             seen[stats.key] = item
-    return sorted((s for i in inputs for s in i.manifest.grid), key=lambda s: place[s.key])
+    return sorted((s for i in inputs for s in grid_of(i)), key=lambda s: place[s.key])
 
 
 def _blob_paths(manifest: Manifest) -> set[str]:
-    return {p for p in (manifest.megacache, manifest.precompiled) if p is not None}
+    """The blobs merged on their own (every rank's, for a K-rank artifact)."""
+    blobs = [manifest.megacache, manifest.precompiled]
+    if manifest.distributed is not None:
+        blobs += [p for r in manifest.distributed.ranks for p in (r.megacache, r.precompiled)]
+    return {p for p in blobs if p is not None}
 
 
 def _files(inputs: list[_Input]) -> tuple[dict[str, tuple[FileEntry, int]], int]:
     """path → (entry, index of the input it is taken from); and how many were shared.
-    Identical files are stored once; two different files at one path is exit 3."""
+    Identical files are stored once; two different files at one path is exit 3. A K-rank
+    shard's copies count as the files they are (restore's extractor writes them): which of
+    the union are stored and which copied is decided again for the merged artifact."""
     chosen: dict[str, tuple[FileEntry, int]] = {}
     shared = 0
     for index, item in enumerate(inputs):
         blobs = _blob_paths(item.manifest)
-        for entry in item.manifest.files:
+        for entry in item.manifest.entries():
             if entry.path in blobs:
                 continue
             if entry.path in chosen:
@@ -303,14 +367,16 @@ def _warnings(inputs: list[_Input], shard: ShardInfo, missing: list[int], spec: 
                 out.append(line)
     first = inputs[0]
     for other in inputs[1:]:
-        for f in compare(first.manifest.fingerprint, other.manifest.fingerprint):
-            if not f.matches:
-                line = (
-                    f"shards differ in {f.name} ({f.baked!r} vs {f.here!r}), which is not in "
-                    f"torch's cache keys; the manifest records {first.path.name}'s"
-                )
-                if line not in out:
-                    out.append(line)
+        pairs = zip(_fingerprints(first.manifest), _fingerprints(other.manifest), strict=True)
+        for (where, mine), (_, theirs) in pairs:
+            for f in compare(mine, theirs):
+                if not f.matches:
+                    line = (
+                        f"shards differ{where} in {f.name} ({f.baked!r} vs {f.here!r}), which is "
+                        f"not in torch's cache keys; the manifest records {first.path.name}'s"
+                    )
+                    if line not in out:
+                        out.append(line)
     if missing:
         baked = {s.key for i in inputs for s in i.manifest.grid}
         absent = [b.key for b in expand(spec) if b.key not in baked]
@@ -352,40 +418,53 @@ def _blobs(
     merged: Path,
     entries: list[FileEntry],
     warnings: list[str],
+    rank: int | None = None,
 ) -> tuple[str | None, str | None]:
-    """Merge the Mega-Cache blobs and the precompiled forwards into ``merged``; add their
-    entries. The blob goes when it cannot be merged (it is not what a server reads; say so),
-    the precompiled forwards are required (a ``precompile: true`` server loads them)."""
+    """Merge the Mega-Cache blobs and the precompiled forwards (``rank``'s, in its rank folder,
+    or the top-level ones) into ``merged``; add their entries. The blob goes when it cannot be
+    merged (it is not what a server reads; say so), the precompiled forwards are required (a
+    ``precompile: true`` server loads them)."""
+    prefix, where = ("", "") if rank is None else (f"{RANKS_DIR}/{rank}/", f"rank {rank}: ")
+
+    def blob(item: _Input, field: str) -> str | None:
+        owner: Manifest | RankCaches = item.manifest if rank is None else _rank(item.manifest, rank)
+        value: str | None = getattr(owner, field)
+        return value
+
     megacache: str | None = None
     pairs = list(zip(inputs, trees, strict=True))
-    have = [(i.path.name, t / i.manifest.megacache) for i, t in pairs if i.manifest.megacache]
+    have = [(i.path.name, t / m) for i, t in pairs if (m := blob(i, "megacache"))]
     if have and len(have) == len(inputs):
+        out = merged / (prefix + MEGACACHE_NAME)
+        out.parent.mkdir(parents=True, exist_ok=True)
         try:
-            merge_megacache(have, merged / MEGACACHE_NAME)
-            megacache = MEGACACHE_NAME
+            merge_megacache(have, out)
+            megacache = prefix + MEGACACHE_NAME
         except BlobFormatError as exc:
-            (merged / MEGACACHE_NAME).unlink(missing_ok=True)
-            warnings.append(f"no Mega-Cache blob in the merged artifact: {exc}")
+            out.unlink(missing_ok=True)
+            warnings.append(f"{where}no Mega-Cache blob in the merged artifact: {exc}")
     elif have:
-        lacking = [i.path.name for i in inputs if not i.manifest.megacache]
+        lacking = [i.path.name for i in inputs if not blob(i, "megacache")]
         warnings.append(
-            f"no Mega-Cache blob in the merged artifact: {', '.join(lacking)} has none "
+            f"{where}no Mega-Cache blob in the merged artifact: {', '.join(lacking)} has none "
             "(the cache folder, which servers read, is complete)"
         )
     precompiled: str | None = None
-    built = [(i.path.name, t / i.manifest.precompiled) for i, t in pairs if i.manifest.precompiled]
+    built = [(i.path.name, t / p) for i, t in pairs if (p := blob(i, "precompiled"))]
     if built:
-        lacking = [i.path.name for i in inputs if not i.manifest.precompiled]
+        lacking = [i.path.name for i in inputs if not blob(i, "precompiled")]
         if lacking:
             raise IntegrityError(
-                f"{', '.join(lacking)} has no precompiled forwards and other shards do: "
+                f"{where}{', '.join(lacking)} has no precompiled forwards and other shards do: "
                 "their buckets would compile in a precompile server"
             )
+        out = merged / (prefix + PRECOMPILED_NAME)
+        out.parent.mkdir(parents=True, exist_ok=True)
         try:
-            merge_precompiled(built, merged / PRECOMPILED_NAME)
+            merge_precompiled(built, out)
         except BlobFormatError as exc:
-            raise IntegrityError(f"cannot merge the precompiled forwards: {exc}") from None
-        precompiled = PRECOMPILED_NAME
+            raise IntegrityError(f"{where}cannot merge the precompiled forwards: {exc}") from None
+        precompiled = prefix + PRECOMPILED_NAME
     for name in (megacache, precompiled):
         if name is not None:
             entries.append(_entry(merged / name, name))
@@ -394,8 +473,32 @@ def _blobs(
 
 
 def _entry(path: Path, name: str) -> FileEntry:
-    kind = "megacache" if name == MEGACACHE_NAME else "precompile"  # as capture.classify says
+    # As capture.classify says.
+    kind = "megacache" if name.endswith(MEGACACHE_NAME) else "precompile"
     return FileEntry(path=name, size=path.stat().st_size, sha256=sha256_file(path), kind=kind)
+
+
+def _distributed(
+    inputs: list[_Input],
+    rank_grids: list[list[BucketStats]],
+    blobs: list[tuple[str | None, str | None]],
+) -> Distributed:
+    """The merged per-rank layout: each rank's union grid, its passes in shard order, its merged
+    blobs; ``same_as`` is left for :func:`_manifest` (it depends on the merged files)."""
+    first = inputs[0].manifest.distributed
+    assert first is not None
+    ranks = [
+        RankCaches(
+            rank=rank,
+            fingerprint=first.ranks[rank].fingerprint,
+            grid=rank_grids[rank],
+            passes=[p for i in inputs for p in _rank(i.manifest, rank).passes],
+            megacache=megacache,
+            precompiled=precompiled,
+        )
+        for rank, (megacache, precompiled) in enumerate(blobs)
+    ]
+    return Distributed(world_size=first.world_size, backend=first.backend, ranks=ranks)
 
 
 def _created(inputs: list[_Input]) -> str:
@@ -426,8 +529,29 @@ def _manifest(
     warnings: list[str],
     megacache: str | None,
     precompiled: str | None,
+    distributed: Distributed | None = None,
 ) -> Manifest:
     first = inputs[0].manifest
+    layout: dict[str, Any] = {}
+    if distributed is not None:
+        # Every file each rank has, stored once across ranks as a K-rank bake stores it.
+        by_rank: list[list[FileEntry]] = [[] for _ in range(distributed.world_size)]
+        for entry in entries:
+            rank = rank_of(entry.path)
+            if rank is None or rank >= distributed.world_size:
+                raise IntegrityError(f"{entry.path!r} is in no rank folder of the merged artifact")
+            by_rank[rank].append(entry)
+        stored = store_once(by_rank)
+        entries = stored.files
+        ranks = [
+            r.model_copy(update={"same_as": same})
+            for r, same in zip(distributed.ranks, stored.same_as, strict=True)
+        ]
+        layout = {
+            "format": RANKS_FORMAT,
+            "distributed": distributed.model_copy(update={"ranks": ranks}).model_dump(),
+            "copies": [c.model_dump() for c in stored.copies],
+        }
     totals: dict[str, float] = {}
     for item in inputs:  # every total is a sum over buckets or passes, and shards are disjoint
         for key, value in item.manifest.totals.items():
@@ -448,12 +572,14 @@ def _manifest(
         "files": [e.model_dump() for e in entries],
         "megacache": megacache,
         "precompiled": precompiled,
-        "payload_sha256": payload_sha256(entries),
+        "payload_sha256": None,  # below: over every file restore installs, copies included
         "compile_kwargs": first.compile_kwargs,
         "warnings": warnings,
         "shard": shard.model_dump() if shard.count > 1 else None,
+        **layout,
     }
     try:
-        return Manifest.model_validate(values)
+        manifest = Manifest.model_validate(values)
     except ValidationError as exc:
         raise IntegrityError(f"the merged manifest is refused: {first_problem(exc)}") from None
+    return manifest.model_copy(update={"payload_sha256": payload_sha256(manifest.entries())})
