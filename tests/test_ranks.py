@@ -451,6 +451,51 @@ def test_a_bake_inside_a_users_torchrun_restores_and_hits_on_both_ranks(tmp_path
         assert sum(b.compiles for b in report.buckets) == 0
 
 
+@pytest.mark.slow  # ~15 s: 2 kiln processes under torchrun, stopped while compiling
+def test_sigterm_to_a_users_torchrun_stops_every_rank_and_removes_the_work_folder(
+    tmp_path: Path,
+) -> None:
+    """SIGTERM to the user's launcher mid-bake: every kiln process kills its worker, rank 0
+    removes the shared work folder, nothing is left running and no artifact is written."""
+    import signal
+    import tempfile
+    import time
+
+    name = "tp-mlp-sigterm"
+    spec_path = tmp_path / "tp.yaml"
+    spec_path.write_text(tp_spec().replace("name: tp-mlp", f"name: {name}"))
+    work = Path(tempfile.gettempdir()) / f"kiln-bake-{os.getuid()}" / name
+    out = tmp_path / "x.kiln.tar.zst"
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone"]
+    command += ["--nproc-per-node", "2", "-m", "kiln", "bake", str(spec_path), "-o", str(out)]
+    src = str(ROOT / "src")
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([src, os.environ.get("PYTHONPATH", "")])}
+    proc = subprocess.Popen(command, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        deadline = time.monotonic() + 120
+        while not (work / "launch/0/rank1").is_dir():  # rank 1's worker is running
+            assert proc.poll() is None and time.monotonic() < deadline, "never started"
+            time.sleep(0.1)
+        time.sleep(2)
+        proc.send_signal(signal.SIGTERM)
+        proc.wait(timeout=60)
+    finally:
+        proc.kill()
+        proc.wait()
+    assert proc.returncode != 0
+    time.sleep(1)
+    assert not work.exists() and not out.exists()
+    left = []
+    for cmdline in Path("/proc").glob("[0-9]*/cmdline"):
+        try:
+            text = cmdline.read_bytes().decode(errors="replace")
+        except OSError:
+            continue
+        if str(work) in text:
+            left.append(text.replace("\0", " "))
+    assert not left, left
+
+
 @pytest.mark.parametrize("rank", ["0", "1"])
 def test_a_launch_of_another_size_than_the_spec_is_exit_2_naming_both(
     tmp_path: Path, cli: Any, rank: str
