@@ -27,7 +27,7 @@ import json
 import os
 import time
 from collections.abc import Iterator, Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 from kiln.compiler import ranks
@@ -122,7 +122,6 @@ class Session:
     ident: str
     limit: float
     issued: int = 0
-    logs: list[str] = field(default_factory=list)
 
     def command_env(self, env: Mapping[str, str], number: int) -> dict[str, str]:
         return {**env, PREFIX_VAR: f"kiln/{self.ident}/{number}"}
