@@ -525,6 +525,7 @@ def test_a_rank_of_a_users_launch_waits_for_rank_0_without_the_lock(
     base = Path(tempfile.gettempdir()) / f"kiln-bake-{os.getuid()}"
     base.mkdir(mode=0o700, exist_ok=True)
     env = {"RANK": "1", "LOCAL_RANK": "1", "WORLD_SIZE": "2", "KILN_LAUNCH_TIMEOUT_S": "0.5"}
+    env |= {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29999"}
     with open(base / "tp-mlp-follower.lock", "a+b") as lock:
         fcntl.flock(lock.fileno(), fcntl.LOCK_EX)
         proc = cli("bake", spec_path, "-o", tmp_path / "x.kiln.tar.zst", env=env, timeout=60)
@@ -532,6 +533,18 @@ def test_a_rank_of_a_users_launch_waits_for_rank_0_without_the_lock(
     assert "waited 0.5s for rank 0 to start the bake of tp-mlp-follower" in proc.stderr
     assert "KILN_LAUNCH_TIMEOUT_S" in proc.stderr
     assert not (tmp_path / "x.kiln.tar.zst").exists()
+
+
+def test_a_launch_without_master_addr_is_exit_2(tmp_path: Path, monkeypatch: Any) -> None:
+    import kiln
+
+    spec_path = tmp_path / "tp.yaml"
+    spec_path.write_text(tp_spec())
+    for var, value in {"RANK": "1", "WORLD_SIZE": "2", "MASTER_PORT": "29999"}.items():
+        monkeypatch.setenv(var, value)
+    monkeypatch.delenv("MASTER_ADDR", raising=False)
+    with pytest.raises(UsageError, match="MASTER_ADDR missing"):
+        kiln.bake(spec_path, tmp_path / "x.kiln.tar.zst")
 
 
 def test_verify_inside_someone_elses_launch_is_still_refused(

@@ -79,6 +79,13 @@ def in_launch(spec: Spec, environ: Mapping[str, str] | None = None) -> ranks.Ran
         )
     if not 0 <= rank.rank < rank.world_size:
         raise UsageError(f"RANK={rank.rank} is no rank of WORLD_SIZE={rank.world_size}")
+    environ = os.environ if environ is None else environ
+    missing = [v for v in ("MASTER_ADDR", "MASTER_PORT") if not environ.get(v)]
+    if missing:
+        raise UsageError(
+            f"{spec.name}: a launch of {rank.world_size} ranks sets MASTER_ADDR and MASTER_PORT "
+            f"(torchrun does); {' and '.join(missing)} missing"
+        )
     return rank
 
 
