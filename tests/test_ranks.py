@@ -6,7 +6,9 @@ real 2-rank gloo bakes (whole, and as 2 merged shards) → restore → verify on
 from __future__ import annotations
 
 import hashlib
+import os
 import subprocess
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -15,7 +17,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from pydantic import ValidationError
 
-from kiln.artifact.archive import parse_manifest
+from kiln.artifact.archive import parse_manifest, read_manifest
 from kiln.artifact.manifest import FileEntry, Manifest
 from kiln.artifact.restore import restore
 from kiln.errors import IntegrityError, KilnError, SpecError, UsageError
@@ -407,17 +409,160 @@ def test_two_rank_bake_restore_verify_hits_on_both_ranks(tmp_path: Path) -> None
         kiln.verify(spec_path, dest)
 
 
-def test_a_k_rank_bake_inside_someone_elses_launch_is_refused(
+@pytest.mark.slow  # ~1.5 min on 2 cores: 2 kiln processes under torchrun, then 2 verifies
+def test_a_bake_inside_a_users_torchrun_restores_and_hits_on_both_ranks(tmp_path: Path) -> None:
+    """``torchrun --nproc-per-node 2 -m kiln bake``: each kiln process runs its own rank's
+    worker; rank 0 writes the artifact, rank 1 says it baked and writes none. Restored at a new
+    path, it serves both ranks with zero compiles."""
+    import kiln
+
+    out = tmp_path / "tp.kiln.tar.zst"
+    spec_path = ROOT / "configs" / "tp-mlp-cpu.yaml"
+    command = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc-per-node",
+        "2",
+        "-m",
+        "kiln",
+        "bake",
+        str(spec_path),
+        "-o",
+        str(out),
+        "--no-prove",
+    ]
+    src = str(ROOT / "src")
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([src, os.environ.get("PYTHONPATH", "")])}
+    proc = subprocess.run(command, env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.stderr.count("rank 1: baked; rank 0 writes the artifact") == 1
+    m = read_manifest(out)
+    assert m.distributed is not None and [r.rank for r in m.distributed.ranks] == [0, 1]
+    assert all(len(r.grid) == 3 for r in m.distributed.ranks)
+    dest = tmp_path / "elsewhere" / "cache"
+    kiln.restore(out, dest)
+    for seed in (1, 2):
+        report = kiln.verify(spec_path, dest, order="shuffle", seed=seed)
+        assert report.ok, report.reasons()
+        assert {b.key for b in report.buckets} == {
+            f"rank {r} · batch={n}" for r in (0, 1) for n in (1, 4, 16)
+        }
+        assert sum(b.compiles for b in report.buckets) == 0
+
+
+@pytest.mark.slow  # ~15 s: 2 kiln processes under torchrun, stopped while compiling
+def test_sigterm_to_a_users_torchrun_stops_every_rank_and_removes_the_work_folder(
+    tmp_path: Path,
+) -> None:
+    """SIGTERM to the user's launcher mid-bake: every kiln process kills its worker, rank 0
+    removes the shared work folder, nothing is left running and no artifact is written."""
+    import signal
+    import tempfile
+    import time
+
+    name = "tp-mlp-sigterm"
+    spec_path = tmp_path / "tp.yaml"
+    spec_path.write_text(tp_spec().replace("name: tp-mlp", f"name: {name}"))
+    work = Path(tempfile.gettempdir()) / f"kiln-bake-{os.getuid()}" / name
+    out = tmp_path / "x.kiln.tar.zst"
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone"]
+    command += ["--nproc-per-node", "2", "-m", "kiln", "bake", str(spec_path), "-o", str(out)]
+    src = str(ROOT / "src")
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([src, os.environ.get("PYTHONPATH", "")])}
+    proc = subprocess.Popen(command, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        deadline = time.monotonic() + 120
+        while not (work / "launch/0/rank1").is_dir():  # rank 1's worker is running
+            assert proc.poll() is None and time.monotonic() < deadline, "never started"
+            time.sleep(0.1)
+        time.sleep(2)
+        proc.send_signal(signal.SIGTERM)
+        proc.wait(timeout=60)
+    finally:
+        proc.kill()
+        proc.wait()
+    assert proc.returncode != 0
+    time.sleep(1)
+    assert not work.exists() and not out.exists()
+    left = []
+    for cmdline in Path("/proc").glob("[0-9]*/cmdline"):
+        try:
+            text = cmdline.read_bytes().decode(errors="replace")
+        except OSError:
+            continue
+        if str(work) in text:
+            left.append(text.replace("\0", " "))
+    assert not left, left
+
+
+@pytest.mark.parametrize("rank", ["0", "1"])
+def test_a_launch_of_another_size_than_the_spec_is_exit_2_naming_both(
+    tmp_path: Path, cli: Any, rank: str
+) -> None:
+    """Inside a user's launch, a WORLD_SIZE other than the spec's is refused before anything
+    runs, on every rank, naming both sizes."""
+    spec_path = tmp_path / "tp.yaml"
+    spec_path.write_text(tp_spec())
+    env = {"RANK": rank, "LOCAL_RANK": rank, "WORLD_SIZE": "3"}
+    proc = cli("bake", spec_path, "-o", tmp_path / "x.kiln.tar.zst", env=env, timeout=120)
+    assert proc.returncode == 2, proc.stderr
+    assert "WORLD_SIZE=3" in proc.stderr and "distributed.world_size=2" in proc.stderr
+    assert not (tmp_path / "x.kiln.tar.zst").exists()
+
+
+def test_a_rank_of_a_users_launch_waits_for_rank_0_without_the_lock(
+    tmp_path: Path, cli: Any
+) -> None:
+    """Rank 1 never takes the work folder's lock (rank 0 holds it for the whole bake): with the
+    lock held elsewhere and no rank 0, it gives up after its bounded wait, with a clear error,
+    instead of blocking on the lock; and it writes no artifact."""
+    import fcntl
+    import tempfile
+
+    spec_path = tmp_path / "tp.yaml"
+    spec_path.write_text(tp_spec().replace("name: tp-mlp", "name: tp-mlp-follower"))
+    base = Path(tempfile.gettempdir()) / f"kiln-bake-{os.getuid()}"
+    base.mkdir(mode=0o700, exist_ok=True)
+    env = {"RANK": "1", "LOCAL_RANK": "1", "WORLD_SIZE": "2", "KILN_LAUNCH_TIMEOUT_S": "0.5"}
+    env |= {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29999"}
+    with open(base / "tp-mlp-follower.lock", "a+b") as lock:
+        fcntl.flock(lock.fileno(), fcntl.LOCK_EX)
+        proc = cli("bake", spec_path, "-o", tmp_path / "x.kiln.tar.zst", env=env, timeout=60)
+    assert proc.returncode == 1, proc.stderr
+    assert "waited 0.5s for rank 0 to start the bake of tp-mlp-follower" in proc.stderr
+    assert "KILN_LAUNCH_TIMEOUT_S" in proc.stderr
+    assert not (tmp_path / "x.kiln.tar.zst").exists()
+
+
+def test_a_launch_without_master_addr_is_exit_2(tmp_path: Path, monkeypatch: Any) -> None:
+    import kiln
+
+    spec_path = tmp_path / "tp.yaml"
+    spec_path.write_text(tp_spec())
+    for var, value in {"RANK": "1", "WORLD_SIZE": "2", "MASTER_PORT": "29999"}.items():
+        monkeypatch.setenv(var, value)
+    monkeypatch.delenv("MASTER_ADDR", raising=False)
+    with pytest.raises(UsageError, match="MASTER_ADDR missing"):
+        kiln.bake(spec_path, tmp_path / "x.kiln.tar.zst")
+
+
+def test_verify_inside_someone_elses_launch_is_still_refused(
     tmp_path: Path, monkeypatch: Any
 ) -> None:
-    import kiln
+    """Only bake follows a user's launch; verify and bench start their K ranks themselves."""
+    from kiln.compiler.launch import run_worker
+    from kiln.compiler.protocol import WorkerRequest
+    from kiln.spec import load_spec
 
     spec_path = tmp_path / "tp.yaml"
     spec_path.write_text(tp_spec())
     monkeypatch.setenv("RANK", "0")
     monkeypatch.setenv("WORLD_SIZE", "2")
+    request = WorkerRequest(order=["batch=1"], torch_kwargs={}, calls=1)
     with pytest.raises(UsageError, match="starts the 2 ranks itself"):
-        kiln.bake(spec_path, tmp_path / "x.kiln.tar.zst")
+        run_worker(load_spec(spec_path), request, {})
 
 
 def test_a_factory_without_rank_kwargs_is_the_specs_problem(tmp_path: Path) -> None:

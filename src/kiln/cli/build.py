@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import json
+import os
+import sys
 import time
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -82,6 +84,9 @@ def bake_cmd(
         result = bake(
             parsed, target, passes=passes, prove=prove, strict=strict, on_event=sink, shard=sliced
         )
+    if result is None:  # a rank > 0 of the user's launch: it ran its workers for rank 0
+        print(f"rank {os.environ.get('RANK')}: baked; rank 0 writes the artifact", file=sys.stderr)
+        return
     signed = _sign(result, signing) if signing is not None else None
 
     def human(c: Console) -> None:

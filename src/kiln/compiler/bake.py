@@ -39,7 +39,7 @@ from kiln.artifact.manifest import (
     RankCaches,
     ShardInfo,
 )
-from kiln.compiler import ranks
+from kiln.compiler import inlaunch, ranks
 from kiln.compiler.capture import capture, payload_sha256
 from kiln.compiler.dynamo_log import merge_breaks
 from kiln.compiler.launch import WorkerRun, run_worker
@@ -105,7 +105,7 @@ def bake(
     on_event: EventSink | None = None,
     keep_workdir: Path | None = None,
     shard: Shard | tuple[int, int] | str | None = None,
-) -> BakeResult:
+) -> BakeResult | None:
     """Compile ``spec``'s grid and write a deterministic artifact to ``out``.
 
     ``prove`` (the default) ends the bake with a fresh process that serves the packed artifact,
@@ -118,8 +118,16 @@ def bake(
     bake's cache folder there instead of removing it (bench starts its stock modes from it).
     ``shard`` (``Shard(i, n)``, ``(i, n)`` or ``"i/n"``) bakes only that slice of the grid
     (:func:`kiln.grid.shard_buckets`); ``kiln merge`` combines the shards' artifacts.
+
+    A distributed spec baked inside a launch the user started (``RANK``/``WORLD_SIZE`` set;
+    :mod:`kiln.compiler.inlaunch`): rank 0 bakes and writes ``out``; every other rank runs its
+    own rank's workers for rank 0 and returns None (no artifact).
     """
     spec = spec if isinstance(spec, Spec) else load_spec(spec)
+    launched = inlaunch.in_launch(spec)  # exit 2 when the launch's size is not the spec's
+    if launched is not None and launched.rank != 0:
+        inlaunch.follow(spec, launched, _workdir_base() / spec.name)
+        return None
     out = Path(out)
     buckets = expand(spec)
     if not buckets:
@@ -133,7 +141,10 @@ def bake(
     t0 = time.time()
     # Shards too bake in the one workdir of their spec's name: torch writes that path into
     # native objects, so shards baked elsewhere would collide in `kiln merge` (exit 3).
-    with _stable_workdir(spec.name) as work:
+    with (
+        _stable_workdir(spec.name) as work,
+        inlaunch.lead(work, launched) if launched else contextlib.nullcontext(),
+    ):
         baker = _Baker(spec, buckets, work, emit, shard=sliced)
         baker.compile_passes(passes)
         manifest = baker.manifest()
@@ -378,6 +389,12 @@ def _keep(work: Path, target: Path) -> Path:
     return target
 
 
+def _workdir_base() -> Path:
+    """This user's bake folders on this machine (a rank of a user's launch finds rank 0's here:
+    per machine, so all ranks on one node, or a shared ``TMPDIR``)."""
+    return Path(tempfile.gettempdir()) / f"kiln-bake-{os.getuid()}"
+
+
 @contextlib.contextmanager
 def _stable_workdir(name: str) -> Iterator[Path]:
     """The same cache root for every bake of ``name`` on this machine, one bake at a time.
@@ -386,7 +403,7 @@ def _stable_workdir(name: str) -> Iterator[Path]:
     temporary folder would make every bake's bytes differ and leave stale paths in the artifact.
     The folder is removed on the way out, failed bake or not (a kept one was moved away first).
     """
-    base = Path(tempfile.gettempdir()) / f"kiln-bake-{os.getuid()}"
+    base = _workdir_base()
     base.mkdir(mode=0o700, exist_ok=True)
     with open(base / f"{name}.lock", "a+b") as lock:
         fcntl.flock(lock.fileno(), fcntl.LOCK_EX)

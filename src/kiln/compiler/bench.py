@@ -229,9 +229,12 @@ def _bake_for_bench(spec: Spec, work: Path, emit: EventSink) -> BakeResult:
     """The artifact every kiln mode restores, baked as ``kiln bake`` would; its work folder is
     kept, since the stock modes start from the raw cache folder and blob it left."""
     emit(ModeStarted(mode="bake"))
-    return bake(
+    result = bake(
         spec, work / "bench.kiln.tar.zst", keep_workdir=work / "bake-workdir", on_event=emit
     )
+    if result is None:  # a rank > 0 of a user's launch: rank 0 bakes, and bench needs it here
+        raise UsageError(f"{spec.name}: run kiln bench once, outside torchrun")
+    return result
 
 
 @dataclass(frozen=True)

@@ -27,7 +27,7 @@ from typing import IO
 
 from pydantic import ValidationError
 
-from kiln.compiler import ranks
+from kiln.compiler import inlaunch, ranks
 from kiln.compiler.protocol import WorkerFailure, WorkerOutcome, WorkerRequest, WorkerResult
 from kiln.errors import IncompatibleError, KilnError, UsageError
 from kiln.events import (
@@ -137,27 +137,22 @@ def run_worker(
     heartbeat_s = heartbeat_interval()
     request = request.replace(spec_path=str(spec.path))
     world = spec.world_size if spec.distributed else 0
-    if world and ranks.current() is not None:
+    session = inlaunch.active() if world else None
+    if world and session is None and ranks.current() is not None:
         raise UsageError(
             f"{spec.name}: run kiln once, outside torchrun: it starts the "
             f"{world} ranks itself (this process is rank {os.environ['RANK']} of a launch)"
         )
     requests = ranks.rank_requests(request, env, world) if world else [request]
-    suffix = ranks.RANK_PLACEHOLDER if world else ""  # each rank reads and writes its own
-    with tempfile.TemporaryDirectory(prefix="kiln-worker-") as tmp:
-        folder = Path(tmp)
-        for i, req in enumerate(requests):
-            (folder / f"request{i if world else ''}.json").write_text(req.model_dump_json())
-        args = [str(folder / f"request{suffix}.json"), str(folder / f"outcome{suffix}.json")]
-        command = ranks.launch_command(world, args) if world else _worker_command(args)
-        child_env = ranks.launch_env(worker_env(env)) if world else worker_env(env)
-        spawned, returncode = _spawn(
-            folder, command, child_env, on_event, heartbeat_s, timeout, graceful=bool(world)
+    if session is not None:  # rank 0 of a user's launch: every rank runs its own worker
+        spawned, returncode, log, outcomes = inlaunch.issue(
+            session, requests, env, on_event, heartbeat_s, timeout
         )
         ended = time.time()
-        log = (folder / "stderr.log").read_text(errors="replace")
-        paths = [folder / f"outcome{i}.json" for i in range(world)] or [folder / "outcome.json"]
-        outcomes = [_outcome(path) for path in paths]
+    else:
+        spawned, ended, returncode, log, outcomes = _run_here(
+            requests, env, world, on_event, heartbeat_s, timeout
+        )
     failed = [(i, o.failure) for i, o in enumerate(outcomes) if o and o.failure is not None]
     if failed:
         rank, failure = failed[0]
@@ -174,6 +169,34 @@ def run_worker(
         log=log,
         ranks=results if world else (),
     )
+
+
+def _run_here(
+    requests: list[WorkerRequest],
+    env: dict[str, str],
+    world: int,
+    on_event: EventSink | None,
+    heartbeat_s: float | None,
+    timeout: float | None,
+) -> tuple[float, float, int, str, list[WorkerOutcome | None]]:
+    """One worker, or torchrun starting ``world`` of them, from this process; (start and end
+    epochs, exit code, log, each rank's outcome or None)."""
+    suffix = ranks.RANK_PLACEHOLDER if world else ""  # each rank reads and writes its own
+    with tempfile.TemporaryDirectory(prefix="kiln-worker-") as tmp:
+        folder = Path(tmp)
+        for i, req in enumerate(requests):
+            (folder / f"request{i if world else ''}.json").write_text(req.model_dump_json())
+        args = [str(folder / f"request{suffix}.json"), str(folder / f"outcome{suffix}.json")]
+        command = ranks.launch_command(world, args) if world else _worker_command(args)
+        child_env = ranks.launch_env(worker_env(env)) if world else worker_env(env)
+        spawned, returncode = _spawn(
+            folder, command, child_env, on_event, heartbeat_s, timeout, graceful=bool(world)
+        )
+        ended = time.time()
+        log = (folder / "stderr.log").read_text(errors="replace")
+        paths = [folder / f"outcome{i}.json" for i in range(world)] or [folder / "outcome.json"]
+        outcomes = [_outcome(path) for path in paths]
+    return spawned, ended, returncode, log, outcomes
 
 
 def _worker_command(args: list[str]) -> list[str]:

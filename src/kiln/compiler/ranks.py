@@ -171,7 +171,28 @@ def join(spec: Spec, rank: Rank | None, device: Any) -> bool:
             f"distributed.world_size={spec.distributed.world_size}"
         )
     device_id = device if device.type == "cuda" else None
-    dist.init_process_group(spec.distributed.backend, device_id=device_id)
+    prefix = os.environ.get("KILN_LAUNCH_PREFIX")  # kiln.compiler.inlaunch: a user's launch
+    if prefix is None:
+        dist.init_process_group(spec.distributed.backend, device_id=device_id)
+        return True
+    # The launch's store outlives this worker: every pass of a bake forms its group under a
+    # prefix of its own, or it would read the addresses an earlier pass's ranks left there.
+    # Hosted as torch's env:// does: by the launcher's agent, else by rank 0.
+    agent = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == str(True)
+    store = dist.TCPStore(
+        os.environ["MASTER_ADDR"],
+        int(os.environ["MASTER_PORT"]),
+        rank.world_size,
+        is_master=rank.rank == 0 and not agent,
+        multi_tenant=True,
+    )
+    dist.init_process_group(
+        spec.distributed.backend,
+        store=dist.PrefixStore(prefix, store),
+        rank=rank.rank,
+        world_size=rank.world_size,
+        device_id=device_id,
+    )
     return True
 
 
