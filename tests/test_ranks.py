@@ -778,3 +778,41 @@ def test_two_rank_shards_bake_merge_restore_and_verify(tmp_path: Path) -> None:
     report = kiln.verify(spec_path, dest, order="shuffle", seed=1)
     assert report.ok, report.reasons()
     assert {b.key for b in report.buckets} == {f"rank {r} · {k}" for r in (0, 1) for k in keys}
+
+
+def test_a_bundle_of_a_two_rank_artifact_restores_every_rank(tmp_path: Path) -> None:
+    """A bundle keeps each variant whole: a 2-rank variant restores with its copies and the
+    per-rank kiln.env, exactly as the artifact alone does."""
+    from kiln.artifact.bundle import write_bundle
+
+    fp = {"device.type": "cpu", "torch.version": "2.13.0"}
+    manifest = rank_manifest(fingerprint=fp)
+    manifest["distributed"]["ranks"] = [
+        {"rank": 0, "fingerprint": fp},
+        {"rank": 1, "fingerprint": fp},
+    ]
+    artifact = _rank_archive(tmp_path / "tp.kiln.tar.zst", manifest)
+    bundle = write_bundle([artifact], tmp_path / "release.kiln.tar.zst").path
+    restore(bundle, tmp_path / "cache", torch_version="2.13.0")
+    restore(artifact, tmp_path / "alone")
+    got, alone = tree(tmp_path / "cache"), tree(tmp_path / "alone")
+    assert got["ranks/1/inductor/a.py"] == got["ranks/0/inductor/a.py"] == b"code\n"
+    assert got["kiln.env"].replace(b"/cache", b"/alone") == alone["kiln.env"]
+    assert {k for k in got if k.startswith("ranks/")} == {
+        k for k in alone if k.startswith("ranks/")
+    }
+
+
+@pytest.mark.slow  # ~3 min on 2 cores: a 2-rank bake, then eager and kiln with 2 ranks each
+def test_bench_runs_every_rank(tmp_path: Path) -> None:
+    """kiln bench of a 2-rank spec serves both ranks in each mode; the restored one compiles
+    nothing on either rank."""
+    import kiln
+
+    spec_path = tmp_path / "tp.yaml"
+    spec_path.write_text(tp_spec())
+    report = kiln.bench(spec_path, modes=("eager", "kiln")).to_dict()
+    for mode in ("eager", "kiln"):
+        keys = {b["key"] for b in report["modes"][mode]["buckets"]}
+        assert keys == {f"rank {r} · batch={n}" for r in (0, 1) for n in (1, 4)}, keys
+    assert report["modes"]["kiln"]["compiles"] == 0

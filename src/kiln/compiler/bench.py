@@ -34,7 +34,7 @@ from kiln.artifact.restore import restore
 from kiln.compiler.bake import BakeResult, bake
 from kiln.compiler.launch import WorkerRun, run_worker
 from kiln.compiler.protocol import WorkerRequest
-from kiln.compiler.verify import served_request
+from kiln.compiler.verify import rank_buckets, served_request
 from kiln.errors import UsageError
 from kiln.events import EventSink, ModeStarted, ignore
 from kiln.grid import expand, ordered
@@ -405,7 +405,8 @@ def _mode(mode: str, run: WorkerRun, note: str = "") -> ModeResult:
         time_to_ready_s=run.time_to_ready,
         time_to_warm_s=run.time_to_warm,
         startup_s=run.startup,
-        buckets=list(run.result.buckets),
+        # A K-rank spec: every rank's buckets, named with their rank (a compile on rank 1 counts).
+        buckets=rank_buckets(run.results, labelled=len(run.results) > 1),
         startup_phases={
             "interpreter + kiln import": round(run.result.process_start - run.spawned, 4),
             **run.result.phases,

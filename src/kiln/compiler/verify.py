@@ -204,7 +204,7 @@ def verify(
         # A re-trace that hit the cache is how a fresh process works: no reason to show.
         buckets=[
             b if b.compiles else b.model_copy(update={"recompile_reasons": []})
-            for b in _rank_buckets(run.results, labelled=manifest.distributed is not None)
+            for b in rank_buckets(run.results, labelled=manifest.distributed is not None)
         ],
         # The first rank whose environment differs names the factor, else rank 0's.
         check=next((c for c in checks if not c.ok), checks[0]) if checks else None,
@@ -219,7 +219,7 @@ def verify(
     return report
 
 
-def _rank_buckets(results: Any, *, labelled: bool) -> list[BucketStats]:
+def rank_buckets(results: Any, *, labelled: bool) -> list[BucketStats]:
     """Every rank's buckets, each key prefixed with its rank for a K-rank artifact: a bucket
     that compiled on one rank is named with it (``rank 1 · batch=4``)."""
     if not labelled:
