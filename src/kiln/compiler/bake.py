@@ -254,6 +254,9 @@ class _Baker:
     shard: Shard | None = None
     runs: list[WorkerRun] = field(default_factory=list)
     pass_stats: list[PassStats] = field(default_factory=list)
+    # The files capture() found, and after how many passes: only a pass changes the work
+    # folder (the proof serves a copy elsewhere), so a proven bake hashes its cache once.
+    _captured: tuple[int, tuple[list[FileEntry], ranks.Stored | None]] | None = None
 
     def __post_init__(self) -> None:
         self.root = self.work / INDUCTOR_DIR
@@ -304,9 +307,11 @@ class _Baker:
                 break
 
     def manifest(self, proof: ProofStats | None = None, proof_warning: str = "") -> Manifest:
-        """What the work folder holds now, described (files captured afresh: a re-bake adds)."""
-        self.emit(Capturing())
-        files, stored = _capture(self.spec, self.work)
+        """What the work folder holds now, described (captured again after a re-bake's pass)."""
+        if self._captured is None or self._captured[0] != len(self.runs):
+            self.emit(Capturing())
+            self._captured = (len(self.runs), _capture(self.spec, self.work))
+        files, stored = self._captured[1]
         warnings = _warnings(self.runs, self.pass_stats, proof, proof_warning)
         runs, stats = self.runs, self.pass_stats
         manifest = _manifest(self.spec, self.buckets, runs, stats, files, warnings, proof)
