@@ -143,16 +143,16 @@ def test_mode_and_options_together(write_spec) -> None:
     )
 
 
-def test_precompile_needs_fullgraph(write_spec) -> None:
+def test_precompile_route_follows_fullgraph(write_spec) -> None:
+    """precompile: true bakes AOT forwards for a full graph, else Dynamo's saved frames."""
     text = mlp_spec().replace("  dynamic: false", "  dynamic: false\n  precompile: true")
-    assert error_of(write_spec, text) == (
-        "spec.yaml:8:3: compile.precompile: precompile: true needs fullgraph: true "
-        "(no graph breaks)"
-    )
-    ok = load_spec(
+    frames = load_spec(write_spec(text))
+    assert frames.compile.precompile_route == "frames"
+    aot = load_spec(
         write_spec(text.replace("precompile: true", "precompile: true\n  fullgraph: true"))
     )
-    assert ok.compile.precompile and "precompile" not in torch_kwargs(ok.compile)
+    assert aot.compile.precompile_route == "aot" and "precompile" not in torch_kwargs(aot.compile)
+    assert load_spec(write_spec(mlp_spec())).compile.precompile_route is None
 
 
 def test_mode_table_matches_torch() -> None:

@@ -94,8 +94,9 @@ class CompileSpec(_Strict):
     precompile: bool = Field(
         False,
         description=(
-            "also bake AOT-compiled forwards (graphs + guards) so a serving process skips "
-            "Dynamo tracing; needs fullgraph: true and torch >= 2.9"
+            "also bake what lets a serving process skip Dynamo tracing: AOT-compiled forwards "
+            "(graphs + guards) with fullgraph: true (torch >= 2.9), else Dynamo's saved frames, "
+            "graph breaks included (torch >= 2.11); served by kiln.activate().compile()"
         ),
     )
 
@@ -105,11 +106,16 @@ class CompileSpec(_Strict):
             raise _LocatedValueError(
                 ("options",), "mode and options are mutually exclusive (torch.compile refuses both)"
             )
-        if self.precompile and not self.fullgraph:
-            raise _LocatedValueError(
-                ("precompile",), "precompile: true needs fullgraph: true (no graph breaks)"
-            )
         return self
+
+    @property
+    def precompile_route(self) -> Literal["aot", "frames"] | None:
+        """How ``precompile: true`` spares a restored process Dynamo's tracing: one AOT graph
+        per bucket for a full-graph model (kiln.compiler.precompile), else Dynamo's saved frames,
+        graph breaks and all (kiln.compiler.frames)."""
+        if not self.precompile:
+            return None
+        return "aot" if self.fullgraph else "frames"
 
     def inductor_options(self) -> dict[str, Any]:
         """The Inductor settings this spec compiles with, whether spelled as mode or options."""
@@ -275,6 +281,11 @@ class Spec(_Strict):
         if self.distributed.backend == "nccl" and self.model.device != "cuda":
             raise _LocatedValueError(
                 ("distributed", "backend"), "nccl needs model.device: cuda (use gloo on the CPU)"
+            )
+        if self.compile.precompile_route == "frames":
+            raise _LocatedValueError(
+                ("compile", "precompile"),
+                "precompile: true with graph breaks (fullgraph: false) is single-rank for now",
             )
         for key in RANK_KWARGS:
             if key in self.model.kwargs:

@@ -166,6 +166,14 @@ class GraphBreak(_Model):
         return (path.rsplit("/", 1)[-1], int(line)) if line.isdigit() else None
 
 
+class PrecompiledFrames(_Model):
+    """Dynamo's saved frames (``compile.precompile`` on a model with graph breaks), under
+    ``inductor/dynamo``: ``kiln.activate().compile()`` serves them when the model's forward
+    comes from the module they were baked for (kiln.compiler.frames explains the route)."""
+
+    module: str = Field(max_length=256, description="module of the forward the frames trace")
+
+
 class ProofStats(_Model):
     """The bake's own proof: a fresh process served the packed artifact, restored elsewhere."""
 
@@ -358,6 +366,7 @@ class Manifest(_Model):
     files: list[FileEntry] = Field(max_length=MAX_FILES)
     megacache: str | None = None  # path of the Mega-Cache blob in the artifact, if captured
     precompiled: str | None = None  # path of the AOT-compiled forwards (compile.precompile)
+    precompiled_frames: PrecompiledFrames | None = None  # Dynamo's frames (precompile, breaks)
     # Digest of what a reproducible bake must reproduce: cache keys and code, not torch's
     # measured entries or timings (kiln.compiler.capture.payload_sha256). None: older kilns.
     payload_sha256: str | None = None

@@ -56,7 +56,9 @@ class Activation:
     def compile(self, model: Any) -> Any:
         """``model`` compiled as baked: ``torch.compile`` with the spec's exact arguments, or the
         precompiled forwards when the artifact has them (falling back to ``torch.compile``, with
-        a warning, if this torch refuses them). Pass the model already on its device and dtype.
+        a warning, if this torch refuses them), or with Dynamo's saved frames loaded for a model
+        with graph breaks. Pass the model already on its device and dtype, and call it under
+        ``torch.inference_mode()``, as kiln bakes: precompiled guards expect that grad mode.
         """
         import torch
 
@@ -73,6 +75,16 @@ class Activation:
                 note = f"precompiled forwards not usable here ({type(exc).__name__}: {exc})"
                 log.warning("kiln: %s; compiling with torch.compile", note)
                 self.warnings.append(note)
+        elif self.manifest.precompiled_frames:
+            from kiln.compiler import frames
+
+            problem = frames.mismatch(model, self.manifest.precompiled_frames.module)
+            if problem is None:
+                frames.serve()
+                return frames.compile(model, kwargs)
+            note = f"saved frames not usable ({problem})"
+            log.warning("kiln: %s; compiling with torch.compile", note)
+            self.warnings.append(note)
         return torch.compile(model, **kwargs)
 
     def to_dict(self) -> dict[str, Any]:

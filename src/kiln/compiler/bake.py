@@ -35,6 +35,7 @@ from kiln.artifact.manifest import (
     GraphBreak,
     Manifest,
     PassStats,
+    PrecompiledFrames,
     ProofStats,
     RankCaches,
     ShardInfo,
@@ -48,6 +49,7 @@ from kiln.errors import UsageError, VerificationError
 from kiln.events import Capturing, EventSink, Packed, Packing, PassStarted, Proving, ignore
 from kiln.grid import Bucket, Shard, expand, ordered, rotations, shard_grid
 from kiln.serving import (
+    FRAMES_DIR,
     INDUCTOR_DIR,
     MEGACACHE_NAME,
     PRECOMPILED_NAME,
@@ -267,7 +269,8 @@ class _Baker:
             # Triton's own default (~/.triton) is outside the root: keep it private too.
             "TRITON_HOME": str(self.work / "triton-home"),
         }
-        precompile = self.work / PRECOMPILED_NAME if self.spec.compile.precompile else None
+        route = self.spec.compile.precompile_route
+        precompile = self.work / PRECOMPILED_NAME if route == "aot" else None
         self.first = WorkerRequest(
             order=[b.key for b in self.buckets],
             torch_kwargs=cold_torch_kwargs(self.spec.compile),
@@ -276,12 +279,17 @@ class _Baker:
             cache_root=str(self.root),
             megacache_save=str(self.work / MEGACACHE_NAME),
             precompile_save=str(precompile) if precompile else None,
+            frames="record" if route == "frames" else None,
             fingerprint=True,
         )
+        # Later passes compile as a server without kiln.activate() does (plain torch.compile
+        # through kiln.env), so that route finds its entries too; the proof serves the route
+        # the artifact is made for.
         self.later = self.first.replace(
             torch_kwargs=torch_kwargs(self.spec.compile),
             megacache_save=None,
             precompile_save=None,
+            frames=None,
             fingerprint=False,
         )
 
@@ -460,11 +468,23 @@ def _manifest(
         payload_sha256=payload_sha256(files),
         megacache=MEGACACHE_NAME if any(f.path == MEGACACHE_NAME for f in files) else None,
         precompiled=PRECOMPILED_NAME if any(f.path == PRECOMPILED_NAME for f in files) else None,
+        precompiled_frames=_frames(spec, first, files),
         compile_kwargs=torch_kwargs(spec.compile),
         graph_breaks=_graph_breaks(runs),
         warnings=warnings,
         proof=proof,
     )
+
+
+def _frames(spec: Spec, first: WorkerRun, files: list[Any]) -> PrecompiledFrames | None:
+    """Dynamo's saved frames, when the spec asked for them and the first pass wrote some."""
+    prefix = f"{INDUCTOR_DIR}/{FRAMES_DIR}/"
+    module = first.result.forward_module
+    if spec.compile.precompile_route != "frames" or module is None:
+        return None
+    if not any(f.path.startswith(prefix) and f.path.endswith("/entry") for f in files):
+        return None
+    return PrecompiledFrames(module=module)
 
 
 def _warnings(

@@ -51,6 +51,9 @@ class WorkerRequest(_Message):
     megacache_load: str | None = Field(None, description="hot-load this Mega-Cache blob first")
     precompile_save: str | None = Field(None, description="build precompiled forwards, save here")
     precompile_load: str | None = Field(None, description="serve from these precompiled forwards")
+    frames: Literal["record", "serve"] | None = Field(
+        None, description="Dynamo's saved frames: record them (bake) or serve from them"
+    )
     fingerprint: bool = Field(False, description="record this process's environment fingerprint")
     device_index: int = Field(0, ge=0)
     input_seed: int = Field(
@@ -67,6 +70,9 @@ class WorkerRequest(_Message):
             raise ValueError("precompiled forwards need torch_kwargs (they are compiled)")
         if self.precompile_save and self.precompile_load:
             raise ValueError("a pass either builds precompiled forwards or loads them")
+        aot = self.precompile_save or self.precompile_load
+        if self.frames and (self.torch_kwargs is None or aot):
+            raise ValueError("saved frames need torch_kwargs and exclude precompiled forwards")
         return self
 
     def replace(self, **changes: Any) -> WorkerRequest:
@@ -94,6 +100,7 @@ class WorkerResult(_Message):
     torch_import_s: float
     model_ready: float = Field(description="model built and compiled or loaded, before any call")
     precompile_load_s: float | None = None
+    forward_module: str | None = Field(None, description="module of the model's forward")
     first_pass_done: float = Field(description="every bucket has run once")
     warm_done: float
     megacache: MegacacheInfo = Field(default_factory=MegacacheInfo)

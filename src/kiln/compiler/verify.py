@@ -145,6 +145,7 @@ def served_request(cache: Path, manifest: Manifest, order: list[str], calls: int
         first_request=True,
         cache_root=str(cache / INDUCTOR_DIR),
         precompile_load=str(cache / precompiled) if precompiled else None,
+        frames="serve" if manifest.precompiled_frames else None,
     )
 
 

@@ -33,7 +33,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, TypeVar
 
 from kiln.artifact.manifest import MAX_GRAPH_BREAKS, BucketStats, CompileCounts, GraphBreak
-from kiln.compiler import ranks
+from kiln.compiler import frames, ranks
 from kiln.compiler.activate import prepare_inductor
 from kiln.compiler.capture import snapshot
 from kiln.compiler.counters import CompileCounters, compile_counts
@@ -303,6 +303,7 @@ def run(request: WorkerRequest) -> WorkerResult:
         torch_import_s=torch_import_s,
         model_ready=model_ready,
         precompile_load_s=forward.load_s,
+        forward_module=frames.module_of(model),
         first_pass_done=first_pass_done,
         warm_done=warm_done,
         megacache=MegacacheInfo(
@@ -386,13 +387,15 @@ def _load_megacache(path: str | None) -> MegacacheInfo:
 
 def _watch_dynamo(buckets: int, *, compiling: bool) -> DynamoLog:
     """Room for the whole grid under Dynamo's recompile limits (past them torch silently runs
-    eager), and Dynamo's own words for recompiles, graph breaks and the frames it traced."""
+    eager), and Dynamo's own words for recompiles, graph breaks and the frames it traced.
+    An eager pass leaves Dynamo alone: importing it costs seconds an eager server never pays."""
+    if not compiling:
+        return DynamoLog()
     import torch
 
     torch._dynamo.config.recompile_limit = max(8, 2 * buckets + 2)
     torch._dynamo.config.accumulated_recompile_limit = max(256, 8 * buckets)
-    log = DynamoLog()
-    return log.install() if compiling else log
+    return DynamoLog().install()
 
 
 def _build_model(spec: Spec, device: Any) -> Any:
@@ -477,11 +480,23 @@ def _forward(request: WorkerRequest, spec: Spec, model: Any, sync: Callable[[], 
     import torch
 
     try:
+        if request.frames:
+            return _Forward(_framed(request, model, kwargs), call_kwargs, sync)
         return _Forward(torch.compile(model, **kwargs), call_kwargs, sync)
     except RuntimeError as exc:  # torch checks the backend and option names here
         key = "compile.backend" if "backend" in str(exc).lower() else "compile.options"
         message = _one_line(exc).split(", known options are")[0]
         raise _SpecProblem(key, f"torch.compile refused it: {message}") from exc
+
+
+def _framed(request: WorkerRequest, model: Any, kwargs: dict[str, Any]) -> Any:
+    """``model`` compiled with Dynamo's saved frames recorded (bake) or served (verify, bench,
+    a proof): what ``kiln.activate().compile()`` does for such an artifact."""
+    reason = frames.unsupported_reason()
+    if reason:
+        raise _SpecProblem("compile.precompile", reason)
+    frames.record() if request.frames == "record" else frames.serve()
+    return frames.compile(model, kwargs)
 
 
 def _precompiled(
@@ -625,13 +640,13 @@ def _save_caches(request: WorkerRequest, forward: _Forward) -> MegacacheInfo:
     if forward.building and request.precompile_save:
         assert forward.precompiled is not None
         Path(request.precompile_save).write_bytes(forward.precompiled.to_bytes())
-    if not request.megacache_save:
+    if not request.megacache_save and request.frames != "record":
         return MegacacheInfo()
     import torch
 
-    saved = torch.compiler.save_cache_artifacts()
-    if saved is None:
-        return MegacacheInfo(saved=False)
+    saved = torch.compiler.save_cache_artifacts()  # also writes recorded frames to the root
+    if saved is None or not request.megacache_save:
+        return MegacacheInfo(saved=False if saved is None else None)
     Path(request.megacache_save).write_bytes(saved[0])
     return MegacacheInfo(saved=True, entries=_cache_info_counts(saved[1]))
 
