@@ -170,10 +170,11 @@ def convnet(width: int = 64, classes: int = 1000) -> nn.Module:
     return ConvNet(width, classes)
 
 
-@torch.compiler.disable
 def _record_activation_stats(x: torch.Tensor) -> None:
-    """A host-side hook between layers (activation monitoring, a tracing span): Dynamo cannot
-    trace into it, so the model is split in two graphs here, as real models often are."""
+    """A host-side hook between layers (activation monitoring, a tracing span). The encoder
+    wraps it in ``torch.compiler.disable``, so Dynamo splits the model in two graphs there, as
+    real models often are. Wrapped when an encoder is built, not at import: the decorator
+    imports Dynamo, which an eager server of this file's other models would never load."""
 
 
 class TokenEncoder(nn.Module):
@@ -189,6 +190,7 @@ class TokenEncoder(nn.Module):
         )
         self.norm = nn.LayerNorm(dim)
         self.break_after = break_after
+        self.record = torch.compiler.disable(_record_activation_stats)
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
         x = self.embed(input_ids)
@@ -196,7 +198,7 @@ class TokenEncoder(nn.Module):
         # whole frame (eager), which is a different problem than the one this model shows.
         for layer in self.layers[: self.break_after + 1]:
             x = layer(x)
-        _record_activation_stats(x)
+        self.record(x)
         for layer in self.layers[self.break_after + 1 :]:
             x = layer(x)
         return self.norm(x).mean(dim=1)

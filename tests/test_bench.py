@@ -82,3 +82,30 @@ def test_bench_precompile_spec_compares_with_plain_compile_caches(write_spec) ->
     assert sum(b["unique_graphs"] for b in modes["kiln"]["buckets"]) == 0  # no Dynamo trace
     assert 0 < modes["kiln"]["startup_s"] <= modes["kiln"]["time_to_ready_s"]
     assert [p["s"] for p in modes["kiln"]["startup_phases"] if p["phase"] == "precompiled load"]
+
+
+EAGER_PASS = """\
+import sys
+from kiln.compiler import worker
+from kiln.compiler.protocol import WorkerRequest
+
+request = WorkerRequest(spec_path=sys.argv[1], order=["batch=2", "batch=7"], torch_kwargs=None)
+result = worker.run(request)
+assert all(b.compiles == 0 for b in result.buckets)
+print(sorted(m for m in ("torch._dynamo", "torch._inductor") if m in sys.modules))
+"""
+
+
+def test_an_eager_pass_never_imports_dynamo(write_spec) -> None:
+    """bench's eager baseline is a server without torch.compile: measuring compile counters,
+    or importing the example models (one wraps a hook in torch.compiler.disable), must not
+    import Dynamo, which costs seconds on a GPU host and would flatter every ratio to eager."""
+    import subprocess
+    import sys
+
+    spec = write_spec(mlp_spec("eager-mlp", buckets="batch: [2, 7]"))
+    proc = subprocess.run(
+        [sys.executable, "-c", EAGER_PASS, str(spec)], capture_output=True, text=True, timeout=120
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.stdout.strip().splitlines()[-1] == "[]"

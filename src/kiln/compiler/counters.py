@@ -10,6 +10,7 @@ Needs torch only in :meth:`CompileCounters.read`.
 from __future__ import annotations
 
 import dataclasses
+import sys
 from collections.abc import Collection, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -56,7 +57,11 @@ class CompileCounters:
 
     @classmethod
     def read(cls) -> CompileCounters:
-        """The totals now (torch must be importable)."""
+        """The totals now (torch must be importable). Zeros in a process that has not imported
+        Dynamo (an eager pass): nothing compiled there, and importing it would cost seconds
+        that an eager server never pays."""
+        if "torch._dynamo" not in sys.modules:
+            return cls()
         from torch._dynamo.utils import compilation_time_metrics, counters
 
         values: dict[str, Any] = {
