@@ -40,7 +40,10 @@ WORKDIR /opt/kiln-src
 COPY pyproject.toml README.md ./
 COPY src ./src
 # The base image's torch satisfies kiln's `torch>=` requirement: pip keeps it.
+# Bytecode for torch's Python: a serving process imports Dynamo and Inductor, and where the base
+# ships no __pycache__ every start compiles them from source first (kiln.bytecode measures it).
 RUN python -m pip install --no-cache-dir ".[gpu,s3,gcs,oci]" \
+    && python -m compileall -q "$(python -c 'import os, torch; print(os.path.dirname(torch.__file__))')" \
     && python -c "import kiln, torch; print('kiln', kiln.__version__, 'torch', torch.__version__)"
 WORKDIR /work
 ENTRYPOINT ["kiln"]

@@ -351,3 +351,5 @@ def bench_view(console: Console, report: BenchReport) -> None:
         ),
         soft_wrap=True,
     )
+    if report.extra.get("bytecode"):
+        console.print(f"note: {esc(report.extra['bytecode'])}", soft_wrap=True)

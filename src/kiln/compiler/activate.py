@@ -23,6 +23,7 @@ from typing import Any, Literal
 
 from kiln.artifact.archive import read_manifest
 from kiln.artifact.manifest import Manifest
+from kiln.bytecode import uncached_reason
 from kiln.compiler.check import CheckReport, compare_manifest
 from kiln.errors import UsageError
 from kiln.serving import PRECOMPILED_NAME, cache_env, rank_dir, served_torch_kwargs, serving_rank
@@ -173,6 +174,9 @@ def activate(
         if not loaded:
             notes.append("torch refused the Mega-Cache blob (the folder caches still apply)")
     prepare_inductor(served_torch_kwargs(manifest))
+    slow_start = uncached_reason()
+    if slow_start:
+        notes.append(slow_start)
     for note in notes:
         log.warning("kiln: %s", note)
     return Activation(cache, env, report, loaded, limit, manifest, notes, layout)

@@ -31,6 +31,7 @@ from typing import Any
 
 from kiln.artifact.manifest import BucketStats
 from kiln.artifact.restore import restore
+from kiln.bytecode import uncached_reason
 from kiln.compiler.bake import BakeResult, bake
 from kiln.compiler.launch import WorkerRun, run_worker
 from kiln.compiler.protocol import WorkerRequest
@@ -218,6 +219,7 @@ def bench(
             extra={
                 "order": keys,
                 "cold_source": "separate plain run" if plain_cold else "bake pass 1",
+                "bytecode": uncached_reason(),  # what no restored cache wins back, if anything
             },
         )
     finally:
