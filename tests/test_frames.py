@@ -14,6 +14,9 @@ from pathlib import Path
 import pytest
 
 import kiln
+from kiln.compiler.check import compare_manifest
+from kiln.errors import UsageError
+from kiln.grid import Shard, expand, shard_grid
 from kiln.spec import SpecError, load_spec
 
 ENCODER = """\
@@ -56,7 +59,11 @@ sys.path.insert(0, sys.argv[2])
 act = kiln.activate(sys.argv[1])
 import {module} as m
 model = m.make().eval()
-compiled = act.compile(model)
+if sys.argv[3] == "plain":  # a server that compiles itself, on kiln.env's settings
+    from kiln.serving import served_torch_kwargs
+    compiled = torch.compile(model, **served_torch_kwargs(act.manifest))
+else:
+    compiled = act.compile(model)
 same = []
 with torch.inference_mode():
     for shape in [(3, 8), (1, 4), (2, 8), (5, 6)]:  # the grid in another order, then off-grid
@@ -64,8 +71,11 @@ with torch.inference_mode():
         same.append(torch.allclose(compiled(ids), model(ids), atol=1e-5))
         if shape == (2, 8):
             grid_frames = counters["frames"]["total"]
+            skips = counters["inductor"]["cudagraph_skips"]
+            aot_misses = counters["aot_autograd"]["autograd_cache_miss"]
 print(json.dumps({{"grid_frames": grid_frames, "all_frames": counters["frames"]["total"],
-                  "same": same, "warnings": act.warnings}}))
+                  "same": same, "warnings": act.warnings, "cudagraph_skips": skips,
+                  "grid_aot_misses": aot_misses}}))
 """
 
 
@@ -77,6 +87,7 @@ def _spec(tmp_path: Path) -> Path:
         "model:\n"
         "  factory: encmod.py:make\n"
         "compile:\n"
+        "  mode: reduce-overhead\n"
         "  dynamic: false\n"
         "  precompile: true\n"
         "inputs:\n"
@@ -89,9 +100,9 @@ def _spec(tmp_path: Path) -> Path:
     return spec
 
 
-def _serve(cache: Path, models: Path, module: str) -> dict:
+def _serve(cache: Path, models: Path, module: str, route: str = "activate") -> dict:
     proc = subprocess.run(
-        [sys.executable, "-c", SERVE.format(module=module), str(cache), str(models)],
+        [sys.executable, "-c", SERVE.format(module=module), str(cache), str(models), route],
         capture_output=True,
         text=True,
         timeout=300,
@@ -125,6 +136,34 @@ def test_graph_break_model_serves_its_saved_frames_without_tracing(tmp_path: Pat
     assert served["grid_frames"] == 0, served
     assert served["all_frames"] > 0  # (5, 6) is off the grid: compiled, no name clash
     assert served["same"] == [True] * 4 and served["warnings"] == []
+    # The loaded graphs saw reduce-overhead's settings: each asked for CUDA graphs, which torch
+    # skips on the CPU and counts (loaded under the global config, they would not ask: on a GPU
+    # they would run without CUDA graphs).
+    assert served["cudagraph_skips"] > 0, served
+
+    # A server on kiln.env that compiles itself traces, but finds every graph: the bake ran a
+    # plain pass, since the frames' own entries are keyed for their route only.
+    assert len(manifest.passes) >= 2 and manifest.passes[-1].compiles == 0, manifest.passes
+    plain = _serve(cache, tmp_path, "encmod", route="plain")
+    assert plain["grid_frames"] > 0 and plain["grid_aot_misses"] == 0, plain
+
+    # inspect says how the artifact serves; check makes a Python difference a miss for frames.
+    shown = subprocess.run(
+        [sys.executable, "-m", "kiln", "inspect", str(artifact)], capture_output=True, text=True
+    )
+    assert "Dynamo's saved frames of encmod.forward" in shown.stdout, shown.stdout
+    here = {**manifest.fingerprint, "python": "3.0.1"}
+    (python,) = [f for f in compare_manifest(manifest, here).factors if f.name == "python"]
+    assert python.causes_miss and "bytecode" in python.note
+    without = manifest.model_copy(update={"precompiled_frames": None})
+    (python,) = [f for f in compare_manifest(without, here).factors if f.name == "python"]
+    assert not python.causes_miss
+
+    # Frames lost from the restored folder: verify fails and counts the traces as misses.
+    for entry in (cache / "inductor" / "dynamo").glob("*/entry"):
+        entry.unlink()
+    lost = kiln.verify(spec, cache=cache)
+    assert not lost.ok and all(b.precompile_misses > 0 for b in lost.buckets), lost.buckets
 
 
 @pytest.mark.slow
@@ -141,6 +180,13 @@ def test_frames_baked_for_another_module_fall_back_to_torch_compile(tmp_path: Pa
     assert served["same"] == [True] * 4
     (warning,) = served["warnings"]
     assert "encmod.forward" in warning and "renamed.forward" in warning
+
+
+def test_precompile_with_breaks_is_unsharded_for_now(tmp_path: Path) -> None:
+    """torch writes all of a forward's frames to one file: two shards would both write it."""
+    spec = load_spec(_spec(tmp_path))
+    with pytest.raises(UsageError, match=r"--shard 0/2: precompile: true with graph breaks"):
+        shard_grid(spec, expand(spec), Shard(0, 2))
 
 
 def test_precompile_with_breaks_is_single_rank_for_now(tmp_path: Path) -> None:

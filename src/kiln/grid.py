@@ -196,4 +196,9 @@ def shard_grid(spec: Spec, buckets: list[Bucket], shard: Shard) -> list[Bucket]:
             f"{spec.compile.dynamic}): with dynamic shapes a process's graphs depend on every "
             "shape it saw"
         )
+    if spec.compile.precompile_route == "frames":
+        raise UsageError(
+            f"--shard {shard}: precompile: true with graph breaks is unsharded for now: torch "
+            "saves all of a forward's frames in one file, which every shard would write"
+        )
     return shard_buckets(buckets, shard)

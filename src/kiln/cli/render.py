@@ -210,6 +210,15 @@ def manifest_view(console: Console, m: Manifest, digest: str | None = None) -> N
     if m.compile_kwargs is not None:
         args = ", ".join(f"{k}={v!r}" for k, v in m.compile_kwargs.items())
         console.print(plain(f"serve with torch.compile({args})"))
+    if m.precompiled or m.precompiled_frames:
+        what = (
+            f"Dynamo's saved frames of {m.precompiled_frames.module}.forward"
+            if m.precompiled_frames
+            else "AOT-compiled forwards"
+        )
+        console.print(
+            plain(f"precompiled: {what}, served by kiln.activate().compile() under inference_mode")
+        )
     print_table(console, fingerprint_table(m.fingerprint, "baked on"))
     shard = f" (shard {m.shard.label})" if m.shard is not None else ""
     print_table(console, bucket_table(m.grid, f"grid: {len(m.grid)} buckets{shard}"))

@@ -82,7 +82,10 @@ class Activation:
             problem = frames.mismatch(model, self.manifest.precompiled_frames.module)
             if problem is None:
                 frames.serve()
-                return frames.compile(model, kwargs)
+                try:
+                    return frames.compile_model(model, kwargs)
+                except Exception as exc:  # torch's install raises assorted types; say which
+                    problem = f"{type(exc).__name__}: {exc}"
             note = f"saved frames not usable ({problem})"
             log.warning("kiln: %s; compiling with torch.compile", note)
             self.warnings.append(note)
@@ -97,6 +100,7 @@ class Activation:
             "megacache_loaded": self.megacache_loaded,
             "recompile_limit": self.recompile_limit,
             "precompiled": self.manifest.precompiled is not None,
+            "precompiled_frames": self.manifest.precompiled_frames is not None,
             "warnings": self.warnings,
         }
 

@@ -235,7 +235,13 @@ def _pass_count(spec: Spec, passes: int | None) -> tuple[int, bool]:
     chosen = passes or spec.warmup.passes
     if chosen is not None:
         return chosen, False
-    settled = spec.compile.dynamic is False and not spec.compile.autotunes
+    # Saved frames are recorded with keys a plain torch.compile does not look up: a later pass
+    # gives servers on kiln.env (no kiln.activate) their own entries.
+    settled = (
+        spec.compile.dynamic is False
+        and not spec.compile.autotunes
+        and spec.compile.precompile_route != "frames"
+    )
     return (1 if settled else MAX_AUTO_PASSES), True
 
 
@@ -476,7 +482,7 @@ def _manifest(
     )
 
 
-def _frames(spec: Spec, first: WorkerRun, files: list[Any]) -> PrecompiledFrames | None:
+def _frames(spec: Spec, first: WorkerRun, files: list[FileEntry]) -> PrecompiledFrames | None:
     """Dynamo's saved frames, when the spec asked for them and the first pass wrote some."""
     prefix = f"{INDUCTOR_DIR}/{FRAMES_DIR}/"
     module = first.result.forward_module

@@ -18,7 +18,7 @@ from kiln.artifact.payload import MEASURED_KINDS as MEASURED_KINDS
 from kiln.artifact.payload import payload_diff as payload_diff
 from kiln.artifact.payload import payload_lines as payload_lines
 from kiln.artifact.payload import payload_sha256 as payload_sha256
-from kiln.serving import INDUCTOR_DIR, MEGACACHE_NAME, PRECOMPILED_NAME
+from kiln.serving import FRAMES_DIR, INDUCTOR_DIR, MEGACACHE_NAME, PRECOMPILED_NAME
 
 _SKIP_DIRS = frozenset({"locks", "__pycache__"})
 _TOP_KINDS = {
@@ -26,7 +26,7 @@ _TOP_KINDS = {
     "aotautograd": "aotautograd",
     "triton": "triton",
     "cache": "autotune",
-    "dynamo": "dynamo",  # PGO profiles and precompile packages
+    FRAMES_DIR: "dynamo",  # PGO profiles and saved frames
 }
 _SUFFIX_KINDS = {
     ".py": "code",

@@ -73,6 +73,8 @@ def compare_manifest(
     if manifest.distributed is not None and rank is not None and rank < manifest.world_size:
         baked = manifest.distributed.ranks[rank].fingerprint
     factors = compare(baked, here) + rank_factors(manifest, rank, world_size)
+    if manifest.precompiled_frames is not None:
+        factors = [_frames_python(f) if f.name == "python" else f for f in factors]
     if os.environ.get("TORCHINDUCTOR_FORCE_DISABLE_CACHES", "0") not in ("", "0"):
         factors.append(
             Factor(
@@ -85,6 +87,15 @@ def compare_manifest(
             )
         )
     return CheckReport(manifest.name, factors, baked, here)
+
+
+def _frames_python(factor: Factor) -> Factor:
+    """Saved frames are bytecode: torch refuses them under any other Python (patch level too)
+    and traces instead, so for them a Python difference is a miss, not a note."""
+    if factor.matches:
+        return factor
+    note = "saved frames are this Python's bytecode: torch traces again under another one"
+    return Factor(factor.name, factor.baked, factor.here, False, True, note)
 
 
 def rank_factors(manifest: Manifest, rank: int | None, world_size: int | None) -> list[Factor]:

@@ -85,7 +85,7 @@ def explain(bucket: BucketStats, factors: str = "", breaks: Sequence[GraphBreak]
     counts = (
         (b.fx_misses + b.fx_bypass, "FX graph", "FX graphs"),
         (b.aot_misses, "AOT graph", "AOT graphs"),
-        (b.precompile_misses, "precompiled-forward miss", "precompiled-forward misses"),
+        (b.precompile_misses, "precompiled miss", "precompiled misses"),
         (b.new_native, "kernel binary", "kernel binaries"),
         (b.autotunes, "autotune run", "autotune runs"),
     )

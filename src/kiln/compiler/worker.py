@@ -440,6 +440,7 @@ class _Forward:
     precompiled: PrecompiledForward | None = None
     building: bool = False  # a precompile bake: each bucket compiles ahead of its first call
     load_s: float | None = None  # time to load precompiled forwards
+    serves_frames: bool = False  # Dynamo's saved frames loaded: a traced frame is a miss
 
     def timed(self, inputs: dict[str, Any]) -> float:
         self.sync()
@@ -481,7 +482,8 @@ def _forward(request: WorkerRequest, spec: Spec, model: Any, sync: Callable[[], 
 
     try:
         if request.frames:
-            return _Forward(_framed(request, model, kwargs), call_kwargs, sync)
+            framed = _framed(request, model, kwargs)
+            return _Forward(framed, call_kwargs, sync, serves_frames=request.frames == "serve")
         return _Forward(torch.compile(model, **kwargs), call_kwargs, sync)
     except RuntimeError as exc:  # torch checks the backend and option names here
         key = "compile.backend" if "backend" in str(exc).lower() else "compile.options"
@@ -495,8 +497,11 @@ def _framed(request: WorkerRequest, model: Any, kwargs: dict[str, Any]) -> Any:
     reason = frames.unsupported_reason()
     if reason:
         raise _SpecProblem("compile.precompile", reason)
-    frames.record() if request.frames == "record" else frames.serve()
-    return frames.compile(model, kwargs)
+    if request.frames == "record":
+        frames.record()
+    else:
+        frames.serve()
+    return frames.compile_model(model, kwargs)
 
 
 def _precompiled(
@@ -542,12 +547,16 @@ class _Meter:
         self.breaks += [
             b.model_copy(update={"buckets": [key]}) for b in self.dynamo.breaks_since(mark)
         ]
+        traced = self.dynamo.frames_since(mark)
+        misses = self.forward.misses - missed
+        if self.forward.serves_frames:  # the saved frames did not cover these
+            misses += len(traced)
         compiles = compile_counts(
             CompileCounters.read() - before,
             self._files() - files,
             recompile_reasons=self.dynamo.recompiles_since(mark),
-            precompile_misses=self.forward.misses - missed,
-            frames=self.dynamo.frames_since(mark),
+            precompile_misses=misses,
+            frames=traced,
         )
         return value, compiles
 
@@ -645,8 +654,10 @@ def _save_caches(request: WorkerRequest, forward: _Forward) -> MegacacheInfo:
     import torch
 
     saved = torch.compiler.save_cache_artifacts()  # also writes recorded frames to the root
-    if saved is None or not request.megacache_save:
-        return MegacacheInfo(saved=False if saved is None else None)
+    if not request.megacache_save:
+        return MegacacheInfo()
+    if saved is None:
+        return MegacacheInfo(saved=False)
     Path(request.megacache_save).write_bytes(saved[0])
     return MegacacheInfo(saved=True, entries=_cache_info_counts(saved[1]))
 
