@@ -201,3 +201,15 @@ def test_precompile_with_breaks_is_single_rank_for_now(tmp_path: Path) -> None:
     )
     with pytest.raises(SpecError, match=r"tp.yaml:3:\d+: .*single-rank"):
         load_spec(spec)
+
+
+@pytest.mark.slow
+def test_a_frames_bake_that_saved_nothing_says_so(tmp_path: Path, monkeypatch) -> None:
+    """A bake in which Dynamo traced nothing (here TORCH_COMPILE_DISABLE, left set in a CI
+    environment) has no frames to save: the manifest says so rather than shipping
+    precompile: true that serves nothing."""
+    monkeypatch.setenv("TORCH_COMPILE_DISABLE", "1")
+    spec = _spec(tmp_path)
+    manifest = kiln.bake(spec, tmp_path / "s.kiln.tar.zst", prove=False).manifest
+    assert manifest.precompiled_frames is None
+    assert any("torch saved no Dynamo frames" in w for w in manifest.warnings), manifest.warnings

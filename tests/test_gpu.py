@@ -16,10 +16,15 @@ from tests.conftest import MODELS
 pytestmark = [pytest.mark.gpu, pytest.mark.slow]
 
 
-def gpt_spec(name: str, mode: str, precompile: bool = False) -> str:
+def gpt_spec(name: str, mode: str, precompile: str = "") -> str:
+    """``precompile``: "" (folder caches), "precompile" (AOT forwards, fullgraph) or "frames"
+    (Dynamo's saved frames, the route for models with graph breaks)."""
     # max-autotune benchmarks every GEMM at bake time: a smaller grid keeps the run short.
     seqs = "[64]" if mode.startswith("max-autotune") else "[64, 256]"
-    aot = ["  fullgraph: true", "  precompile: true"] if precompile else []
+    aot = {
+        "precompile": ["  fullgraph: true", "  precompile: true"],
+        "frames": ["  precompile: true"],
+    }.get(precompile, [])
     return "\n".join(
         [
             f"name: {name}",
@@ -70,6 +75,7 @@ def breakdown(report) -> dict:
         "max-autotune-no-cudagraphs",
         "default+precompile",
         "reduce-overhead+precompile",
+        "reduce-overhead+frames",
     ],
 )
 def gpu_baked(request, tmp_path_factory):
@@ -77,7 +83,7 @@ def gpu_baked(request, tmp_path_factory):
     spec = d / "spec.yaml"
     mode, _, extra = request.param.partition("+")
     name = f"gpt-{request.param.replace('+', '-')}"
-    spec.write_text(gpt_spec(name, mode, precompile=extra == "precompile"))
+    spec.write_text(gpt_spec(name, mode, precompile=extra))
     result = kiln.bake(spec, d / "a.kiln.tar.zst")
     return request.param, spec, result
 
@@ -114,7 +120,7 @@ def test_restored_cache_compiles_nothing_anywhere_in_any_order(gpu_baked, tmp_pa
         # Every FX/AOT entry hits first: a re-tuning failure below is about Triton, not keys.
         assert all(b.fx_misses == b.aot_misses == b.fx_bypass == 0 for b in report.buckets), detail
         assert report.ok, (mode, where, report.reasons())
-        if mode.endswith("precompile"):
+        if mode.endswith(("precompile", "frames")):
             assert sum(b.unique_graphs for b in report.buckets) == 0, detail  # no Dynamo trace
         print(mode, where, order, {b.key: round(b.first_call_s, 3) for b in report.buckets})
 

@@ -445,6 +445,14 @@ def _manifest(
     proof: ProofStats | None,
 ) -> Manifest:
     first = runs[0]
+    frames = _frames(spec, first, files)
+    if spec.compile.precompile_route == "frames" and frames is None:
+        warnings = [
+            *warnings,
+            "precompile: true, but torch saved no Dynamo frames: a restored process traces "
+            "every bucket again (kiln.compiler.frames.unsupported_reason says what this torch "
+            "lacks, if anything)",
+        ]
     grid = list(first.result.buckets)
     order = {b.key: i for i, b in enumerate(buckets)}
     grid.sort(key=lambda b: order[b.key])
@@ -474,7 +482,7 @@ def _manifest(
         payload_sha256=payload_sha256(files),
         megacache=MEGACACHE_NAME if any(f.path == MEGACACHE_NAME for f in files) else None,
         precompiled=PRECOMPILED_NAME if any(f.path == PRECOMPILED_NAME for f in files) else None,
-        precompiled_frames=_frames(spec, first, files),
+        precompiled_frames=frames,
         compile_kwargs=torch_kwargs(spec.compile),
         graph_breaks=_graph_breaks(runs),
         warnings=warnings,
