@@ -346,7 +346,10 @@ class _Bench:
 
     def plans(self) -> dict[str, _Plan]:
         """The served modes this bench can run, in report order (call after :meth:`cold`)."""
-        precompiled = " + precompiled" if self.baked.manifest.precompiled else ""
+        m = self.baked.manifest
+        precompiled = (
+            " + precompiled" if m.precompiled else " + saved frames" if m.precompiled_frames else ""
+        )
         plans = {
             "eager": _Plan(self.eager, ""),
             "kiln": _Plan(self.kiln, f"restored artifact at a new path, via kiln.env{precompiled}"),
