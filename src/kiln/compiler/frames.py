@@ -23,16 +23,15 @@ nowhere else:
   trace (a shape outside the grid) draws the same names from a counter that starts at 0 in
   every process and crashes (``AssertionError: Name '__builtins_dict___0' already exists in
   scope``; upstream #195354). :func:`serve` starts that counter far above any bake's.
-
 - **CUDA graphs dropped on load.** A saved graph is loaded inside ``torch.compile()``, not by
   Inductor's ``compile_fx``, so the mode's settings (``reduce-overhead``: ``triton.cudagraphs``)
   are not in force: torch reads the global config (``deserialize_bundled_cache_entry`` in
   ``torch/_functorch/_aot_autograd/aot_autograd_result.py``, marked TODO there), and a
   ``reduce-overhead`` model then serves without CUDA graphs (measured on the H200 with 2.11:
-  1.2 ms per call in every bucket, as eager, against 0.35-0.98 ms cold). :func:`compile_model` holds
-  the mode's settings while torch.compile loads.
+  1.2 ms per call in every bucket, as eager, against 0.35-0.98 ms cold).
+  :func:`compile_model` holds the mode's settings while torch.compile loads.
 
-Risks a server takes on with the route (README, "Precompiled forwards"): with it on, Dynamo
+Risks a server takes on with the route (README, "Serving"): with it on, Dynamo
 drops identity guards (``ID_MATCH``, closure and dict-version guards) for every compile in the
 process; and the saved frames name the model's module, so the forward must come from a module
 of the same name as at bake time (:func:`mismatch` checks before kiln turns the route on).
