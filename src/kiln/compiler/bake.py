@@ -449,9 +449,8 @@ def _manifest(
     if spec.compile.precompile_route == "frames" and frames is None:
         warnings = [
             *warnings,
-            "precompile: true, but torch saved no Dynamo frames: a restored process traces "
-            "every bucket again (kiln.compiler.frames.unsupported_reason says what this torch "
-            "lacks, if anything)",
+            "precompile: true, but torch saved no Dynamo frames (Dynamo traced nothing: is "
+            "TORCH_COMPILE_DISABLE set?): a restored process traces every bucket again",
         ]
     grid = list(first.result.buckets)
     order = {b.key: i for i, b in enumerate(buckets)}
