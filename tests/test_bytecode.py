@@ -4,9 +4,12 @@ command that fixes it (a real package on disk, compiled for real by compileall).
 from __future__ import annotations
 
 import compileall
+import json
 import subprocess
 import sys
 from pathlib import Path
+
+import pytest
 
 from kiln.bytecode import uncached_reason
 
@@ -46,3 +49,136 @@ def test_installed_torch_and_missing_packages() -> None:
     assert uncached_reason("no_such_package_kiln") is None
     # This venv's torch came from pip, which compiles bytecode at install.
     assert uncached_reason("torch") is None
+
+
+# A server on an image without torch's bytecode, emulated for real: an empty pycache prefix is
+# where this interpreter looks for every module's bytecode.
+SERVE = """
+import importlib._bootstrap_external as ext, importlib.util, sys
+from pathlib import Path
+from kiln import bytecode
+folder, pkg = Path(sys.argv[1]), Path(sys.argv[2])
+source = str(pkg / "mod.py")
+if sys.argv[3] == "bake":
+    import torch._inductor.compile_fx as probe
+    assert bytecode.write([source, probe.__file__, "relative.py"], folder) == 2
+    # Bytecode of other code than its source says: if Python uses it, the module says so.
+    cached = folder / bytecode.prefix_path(source)
+    data = ext._code_to_hash_pyc(
+        compile("SERVED = 'from the prefix'", source, "exec"),
+        importlib.util.source_hash(Path(source).read_bytes()),
+        True,
+    )
+    cached.write_bytes(bytes(data))
+    raise SystemExit
+print(bytecode.uncached_reason() is not None, bytecode.use(folder))
+sys.path.insert(0, str(pkg))
+import mod
+served = bytecode.served_modules(folder)
+print(getattr(mod, "SERVED", "from source"), served, sys.dont_write_bytecode)
+"""
+
+
+def _serve(folder: Path, pkg: Path, step: str, prefix: Path | None) -> list[str]:
+    env = {"PYTHONPATH": str(Path(__file__).parents[1] / "src")}
+    if prefix is not None:  # no bytecode where Python looks; use() turns writing it off
+        env["PYTHONPYCACHEPREFIX"] = str(prefix)
+    if step == "bake":  # keeps the prefix free of torch's bytecode
+        env["PYTHONDONTWRITEBYTECODE"] = "1"
+    proc = subprocess.run(
+        [sys.executable, "-c", SERVE, str(folder), str(pkg), step],
+        capture_output=True,
+        text=True,
+        env=env,
+    )
+    assert proc.returncode == 0, proc.stderr
+    return proc.stdout.splitlines()
+
+
+def test_shipped_bytecode_serves_an_image_without_its_own(tmp_path: Path) -> None:
+    folder, pkg, empty = tmp_path / "bytecode", tmp_path / "pkg", tmp_path / "no-pyc"
+    pkg.mkdir()
+    empty.mkdir()
+    (pkg / "mod.py").write_text("SERVED = 'from source'\n")
+    _serve(folder, pkg, "bake", empty)
+    uncached, note = _serve(folder, pkg, "serve", empty)[0].split(" ", 1)
+    assert uncached == "True"
+    assert note == f"importing Python bytecode from {folder} (torch's is not cached here)"
+    assert _serve(folder, pkg, "serve", empty)[1] == "from the prefix 1 True"
+    assert len([p for p in folder.rglob("*") if p.is_file()]) == 2  # left as restored
+    # Where torch's bytecode is cached (this venv), a prefix would only cost: not used.
+    assert _serve(folder, pkg, "serve", None) == ["False None", "from source 0 False"]
+    # A changed source is compiled from source, never served stale.
+    (pkg / "mod.py").write_text("SERVED = 'changed'\n")
+    assert _serve(folder, pkg, "serve", empty)[1] == "changed 0 True"
+
+
+def test_bytecode_for_another_torch_is_named_and_unused(tmp_path: Path) -> None:
+    folder, pkg, empty = tmp_path / "bytecode", tmp_path / "pkg", tmp_path / "no-pyc"
+    for d in (folder / "elsewhere", pkg, empty):
+        d.mkdir(parents=True)
+    (pkg / "mod.py").write_text("X = 1\n")
+    note = _serve(folder, pkg, "serve", empty)[0]
+    assert note.startswith("True the artifact's Python bytecode is not for this interpreter (")
+    assert _serve(folder, pkg, "serve", empty)[1] == "from source 0 False"
+
+
+def test_prefix_paths_mirror_absolute_normalized_sources_only() -> None:
+    from kiln.bytecode import prefix_path
+
+    tag = sys.implementation.cache_tag
+    assert str(prefix_path("/usr/lib/python3/os.py")) == f"usr/lib/python3/os.{tag}.pyc"
+    for bad in ("os.py", "lib/os.py", "/usr/../etc/os.py", "/usr/./lib/os.py"):
+        assert prefix_path(bad) is None, bad
+
+
+@pytest.mark.slow
+def test_a_bake_on_an_image_without_bytecode_ships_it_and_verify_serves_it(
+    tmp_path: Path, cli
+) -> None:
+    """The whole route on CPU, with the H200 image's condition emulated for real: no bytecode
+    where this interpreter looks, none written. The bake ships it; the served process uses it."""
+    from kiln.artifact.archive import read_manifest
+    from tests.conftest import mlp_spec
+
+    empty = tmp_path / "no-pyc"
+    empty.mkdir()
+    env = {"PYTHONPYCACHEPREFIX": str(empty), "PYTHONDONTWRITEBYTECODE": "1"}
+    spec, art, dest = tmp_path / "spec.yaml", tmp_path / "mlp.kiln.tar.zst", tmp_path / "cache"
+    spec.write_text(mlp_spec(buckets="batch: [2, 3]"))
+    proc = cli("bake", spec, "-o", art, "-q", env=env)
+    assert proc.returncode == 0, proc.stderr
+    manifest = read_manifest(art)
+    shipped = [f for f in manifest.files if f.kind == "bytecode"]
+    assert manifest.bytecode is not None and manifest.bytecode.modules == len(shipped)
+    assert manifest.bytecode.python == sys.implementation.cache_tag
+    probe = f"/torch/_inductor/compile_fx.{sys.implementation.cache_tag}.pyc"
+    assert any(f.path.startswith("bytecode/") and f.path.endswith(probe) for f in shipped)
+    assert not any("/examples/" in f.path for f in shipped)  # the user's code is not shipped
+    assert cli("restore", art, "-d", dest, no_torch=True).returncode == 0
+    proc = cli("verify", spec, "--cache", dest, "--json", env=env)
+    assert proc.returncode == 0, proc.stderr
+    report = json.loads(proc.stdout)
+    assert report["ok"] and report["compiles"] == 0
+    assert report["bytecode_modules"] > len(shipped) // 2
+    assert not any(empty.iterdir())  # nothing compiled and written by the served process
+
+
+def test_the_spec_decides_whether_a_bake_ships_bytecode(write_spec) -> None:
+    from kiln.compiler.bake import _ships_bytecode
+    from kiln.spec import load_spec
+    from tests.conftest import mlp_spec
+
+    def ships(extra: str) -> bool:
+        return _ships_bytecode(load_spec(write_spec(mlp_spec() + extra)))
+
+    # This venv's torch has its bytecode cached (pip compiles it), so auto ships none.
+    assert (ships(""), ships("bytecode: always\n"), ships("bytecode: never\n")) == (
+        False,
+        True,
+        False,
+    )
+    assert (
+        load_spec(write_spec(mlp_spec())).sha256()
+        == load_spec(write_spec(mlp_spec() + "bytecode: auto\n")).sha256()
+    )  # the default leaves spec digests as they were

@@ -1,39 +1,168 @@
-"""Whether this interpreter finds torch's Python compiled to bytecode, or compiles it each start.
+"""Python's own compile cache: the bytecode of the modules a compiled server imports.
 
 A process that serves with ``torch.compile`` imports Dynamo and Inductor, about a thousand
-modules an eager server never loads. Without cached bytecode (an image built with
-``pip --no-compile``, ``__pycache__`` folders deleted to slim it, or a read-only install with
-``PYTHONDONTWRITEBYTECODE=1``), every process compiles all of them from source first. Measured
-on the 2-core CPU machine with torch 2.13: ``import torch, torch._inductor.compile_fx`` takes
-15.5 s from source against 5.4 s with bytecode (medians of 3), and the H200 image kiln's GPU
-figures come from ships torch that way (docs/benchmarks.md). No cache kiln restores can win
-those seconds back; ``python -m compileall`` at image build does. Torch-free: it looks for
-files, without importing torch.
+modules an eager server never loads. Without cached bytecode (an image built by ``uv``, which
+does not compile bytecode unless asked, or with ``pip --no-compile``, ``__pycache__`` folders
+deleted to slim it, or ``PYTHONDONTWRITEBYTECODE=1``), every process compiles all of them from
+source first. Measured on the H200 image kiln's GPU figures come from, which ships torch that
+way: ``import torch, torch._inductor.compile_fx`` takes 10.5–11.4 s from source against
+3.4–5.0 s with bytecode; on the 2-core CPU, 12.4 s against 3.7 s (docs/benchmarks.md).
+
+So a bake on such an image (``bytecode: auto``, the default, or ``always``) ships the bytecode
+of every library module its passes imported under ``bytecode/``, laid out as a
+``sys.pycache_prefix`` tree. A served process (``kiln.activate()``, verify, bench, the bake's
+proof) looks there when, and only when, torch's bytecode is missing where it would look
+otherwise (:func:`use`): a prefix replaces ``__pycache__`` for every import, so on an image that
+has its bytecode it would only cost. The files are checked-hash pycs: Python compares each
+with its source's hash before using it, so a changed source (another torch build, a patched
+file) is compiled from source as before, never served stale. They mirror absolute source paths,
+so they serve an image with the bake's layout (the same base image); elsewhere they are unused.
+
+Torch-free: restore and inspect run without torch, and this looks for files without importing it.
 """
 
 from __future__ import annotations
 
 import importlib.util
+import os
+import py_compile
 import sys
-from pathlib import Path
+import sysconfig
+from collections.abc import Iterable
+from pathlib import Path, PurePosixPath
 
 # A module every torch.compile process imports: if its bytecode is cached, torch's is.
 _PROBE = ("_inductor", "compile_fx.py")
+_CHECKED = py_compile.PycInvalidationMode.CHECKED_HASH
+
+
+def _probe_source(package: str = "torch") -> Path | None:
+    """``package``'s copy of the probe module, found without importing the package."""
+    spec = importlib.util.find_spec(package)
+    if spec is None or spec.origin is None:
+        return None
+    source = Path(spec.origin).parent.joinpath(*_PROBE)
+    return source if source.is_file() else None
 
 
 def uncached_reason(package: str = "torch") -> str | None:
     """Why ``package``'s Inductor is compiled from source at each start here, or None when its
     bytecode is cached (or the package is not installed)."""
-    spec = importlib.util.find_spec(package)
-    if spec is None or spec.origin is None:
-        return None
-    root = Path(spec.origin).parent
-    source = root.joinpath(*_PROBE)
-    if not source.is_file() or Path(importlib.util.cache_from_source(str(source))).is_file():
+    source = _probe_source(package)
+    if source is None or Path(importlib.util.cache_from_source(str(source))).is_file():
         return None
     why = "; PYTHONDONTWRITEBYTECODE is set, so none is written" if sys.dont_write_bytecode else ""
     return (
         f"{package}'s Python bytecode is not cached here{why}: every process compiles Dynamo "
         f"and Inductor from source before its first compile (seconds); run "
-        f"`python -m compileall -q {root}` when building the image"
+        f"`python -m compileall -q {source.parent.parent}` when building the image, or serve "
+        f"an artifact baked here (it ships the bytecode)"
     )
+
+
+def prefix_path(source: str) -> PurePosixPath | None:
+    """Where ``source``'s bytecode lies in a ``sys.pycache_prefix`` tree, relative to the
+    prefix (as :func:`importlib.util.cache_from_source` places it), or None for a path kiln
+    will not mirror (relative, or with ``.``/``..`` parts an artifact may not hold)."""
+    # Strings, not Paths: the tree must mirror the text Python joins, not a normalized path.
+    head = source.rpartition("/")[0]
+    if os.sep != "/" or not head.startswith("/") or os.path.normpath(head) != head:
+        return None
+    name = Path(importlib.util.cache_from_source(source, optimization="")).name
+    return PurePosixPath(head.lstrip("/")) / name
+
+
+def _library_roots() -> tuple[str, ...]:
+    """The interpreter's own folders: the standard library and site-packages. Modules elsewhere
+    (the user's code, Inductor's generated modules in the cache folder) are not shipped."""
+    paths = sysconfig.get_paths()
+    keys = ("stdlib", "platstdlib", "purelib", "platlib")
+    return tuple(sorted({paths[k].rstrip("/") + "/" for k in keys if paths.get(k)}))
+
+
+def imported_sources() -> list[str]:
+    """The source files of the library modules this process imported, sorted."""
+    roots = _library_roots()
+    found = set()
+    for module in list(sys.modules.values()):
+        source = getattr(module, "__file__", None)
+        if isinstance(source, str) and source.endswith(".py") and source.startswith(roots):
+            found.add(source)
+    return sorted(found)
+
+
+def write(sources: Iterable[str], dest: Path) -> int:
+    """Compile ``sources`` into ``dest`` as a ``sys.pycache_prefix`` tree of checked-hash
+    pycs; returns how many were written. A source that no longer compiles is left out (Python
+    compiles it at import, as it would without kiln). Deterministic: no timestamps."""
+    count = 0
+    for source in sources:
+        rel = prefix_path(source)
+        if rel is None or not Path(source).is_file():
+            continue
+        try:
+            py_compile.compile(
+                source,
+                cfile=str(dest / rel),
+                doraise=True,
+                optimize=0,
+                invalidation_mode=_CHECKED,
+            )
+        except (py_compile.PyCompileError, OSError, ValueError):
+            continue
+        count += 1
+    return count
+
+
+def use(folder: Path) -> str | None:
+    """Import from ``folder`` (a restored artifact's ``bytecode/``) from now on, when torch's
+    bytecode is not cached where this interpreter looks; returns what was done, or None.
+
+    Call it before the imports it should serve: kiln's worker does before ``import torch``,
+    ``kiln.activate()`` before Dynamo and Inductor. Writing bytecode is turned off for the
+    process, so the restored folder stays exactly as restored.
+    """
+    if not folder.is_dir() or uncached_reason() is None:
+        return None
+    probe = _probe_source()
+    rel = prefix_path(str(probe)) if probe else None
+    if rel is None or not (folder / rel).is_file():
+        where = probe.parent.parent if probe else "?"
+        return (
+            f"the artifact's Python bytecode is not for this interpreter "
+            f"({sys.implementation.cache_tag}, torch at {where}): modules compile from source"
+        )
+    sys.pycache_prefix = str(folder)
+    sys.dont_write_bytecode = True
+    return f"importing Python bytecode from {folder} (torch's is not cached here)"
+
+
+def served_modules(folder: Path) -> int:
+    """How many of this process's modules were imported from ``folder``'s bytecode: their
+    cached file is there and matches their source's hash, as Python checked before using it."""
+    if sys.pycache_prefix != str(folder):
+        return 0
+    count = 0
+    for module in list(sys.modules.values()):
+        cached, source = getattr(module, "__cached__", None), getattr(module, "__file__", None)
+        if not (isinstance(cached, str) and isinstance(source, str)):
+            continue
+        if cached.startswith(str(folder)) and _matches(Path(cached), Path(source)):
+            count += 1
+    return count
+
+
+def _matches(cached: Path, source: Path) -> bool:
+    """Whether ``cached`` is a hash-based pyc of ``source`` as it is now (PEP 552 header:
+    magic, flags, then the source's hash)."""
+    try:
+        with cached.open("rb") as f:
+            header = f.read(16)
+        return (
+            len(header) == 16
+            and header[:4] == importlib.util.MAGIC_NUMBER
+            and int.from_bytes(header[4:8], "little") & 0b1 == 1
+            and header[8:16] == importlib.util.source_hash(source.read_bytes())
+        )
+    except OSError:
+        return False

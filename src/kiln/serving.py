@@ -36,6 +36,7 @@ INDUCTOR_DIR = "inductor"  # DIR/inductor is TORCHINDUCTOR_CACHE_DIR
 MEGACACHE_NAME = "megacache.bin"  # torch.compiler.save_cache_artifacts() blob
 PRECOMPILED_NAME = "precompiled.bin"  # serialized AOT forwards (compile.precompile)
 FRAMES_DIR = "dynamo"  # INDUCTOR_DIR/dynamo: Dynamo's saved frames (precompile), PGO profiles
+BYTECODE_DIR = "bytecode"  # a sys.pycache_prefix tree of the imported modules (kiln.bytecode)
 MANIFEST_NAME = "manifest.json"  # an artifact's first member; restore writes its own copy
 ENV_NAME = "kiln.env"  # written by restore, never shipped
 STATE_NAME = ".kiln-installed.json"  # written by restore, never shipped

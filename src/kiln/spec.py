@@ -209,6 +209,15 @@ class Spec(_Strict):
         ),
     )
 
+    bytecode: Literal["auto", "always", "never"] = Field(
+        "auto",
+        description=(
+            "ship the Python bytecode of the modules the bake imported (kiln.bytecode): auto "
+            "when torch's is not cached in the bake's image, which the serving image then "
+            "likely lacks too; a served process uses it only when it has none of its own"
+        ),
+    )
+
     _path: Path | None = PrivateAttr(None)
 
     @model_validator(mode="after")
@@ -307,6 +316,8 @@ class Spec(_Strict):
         out = self.model_dump(mode="json")
         if self.distributed is None:  # a 1-rank spec's digest stays what it was before ranks
             del out["distributed"]
+        if self.bytecode == "auto":  # likewise for the default, added later
+            del out["bytecode"]
         return out
 
     @property

@@ -174,6 +174,15 @@ class PrecompiledFrames(_Model):
     module: str = Field(max_length=256, description="module of the forward the frames trace")
 
 
+class Bytecode(_Model):
+    """The Python bytecode of the modules the bake imported, under ``bytecode/`` as a
+    ``sys.pycache_prefix`` tree (kiln.bytecode): shipped when the bake's image had none cached,
+    served when the serving process finds none either."""
+
+    python: str = Field(max_length=64, description="sys.implementation.cache_tag it is for")
+    modules: int = Field(ge=0, le=MAX_FILES)
+
+
 class ProofStats(_Model):
     """The bake's own proof: a fresh process served the packed artifact, restored elsewhere."""
 
@@ -367,6 +376,7 @@ class Manifest(_Model):
     megacache: str | None = None  # path of the Mega-Cache blob in the artifact, if captured
     precompiled: str | None = None  # path of the AOT-compiled forwards (compile.precompile)
     precompiled_frames: PrecompiledFrames | None = None  # Dynamo's frames (precompile, breaks)
+    bytecode: Bytecode | None = None  # imported modules' bytecode, for images without it
     # Digest of what a reproducible bake must reproduce: cache keys and code, not torch's
     # measured entries or timings (kiln.compiler.capture.payload_sha256). None: older kilns.
     payload_sha256: str | None = None

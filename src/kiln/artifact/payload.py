@@ -19,6 +19,9 @@ from kiln.artifact.manifest import FileEntry
 # payload digest below leaves out exactly those bytes and keeps everything else.
 MEASURED_KINDS = frozenset({"fxgraph", "aotautograd"})  # compared by cache key, not by bytes
 BUNDLED_KINDS = frozenset({"megacache"})  # re-packs the measured entries: left out
+# Python's bytecode of the installed libraries (kiln.bytecode): derived from the sources the
+# fingerprint names, and which modules a process imports is not the compile's doing: left out.
+DERIVED_KINDS = frozenset({"bytecode"})
 
 
 def payload_lines(files: list[FileEntry]) -> list[str]:
@@ -29,7 +32,7 @@ def payload_lines(files: list[FileEntry]) -> list[str]:
     """
     lines: set[str] = set()
     for entry in files:
-        if entry.kind in BUNDLED_KINDS:
+        if entry.kind in BUNDLED_KINDS or entry.kind in DERIVED_KINDS:
             continue
         if entry.kind in MEASURED_KINDS:
             lines.add(f"{entry.kind} key {PurePosixPath(entry.path).parent.as_posix()}")

@@ -219,6 +219,13 @@ def manifest_view(console: Console, m: Manifest, digest: str | None = None) -> N
         console.print(
             plain(f"precompiled: {what}, served by kiln.activate().compile() under inference_mode")
         )
+    if m.bytecode:
+        console.print(
+            plain(
+                f"python bytecode: {m.bytecode.modules} modules ({m.bytecode.python}), imported "
+                "from when the serving image has none cached"
+            )
+        )
     print_table(console, fingerprint_table(m.fingerprint, "baked on"))
     shard = f" (shard {m.shard.label})" if m.shard is not None else ""
     print_table(console, bucket_table(m.grid, f"grid: {len(m.grid)} buckets{shard}"))

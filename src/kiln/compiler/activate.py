@@ -21,12 +21,19 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
+from kiln import bytecode
 from kiln.artifact.archive import read_manifest
 from kiln.artifact.manifest import Manifest
-from kiln.bytecode import uncached_reason
 from kiln.compiler.check import CheckReport, compare_manifest
 from kiln.errors import UsageError
-from kiln.serving import PRECOMPILED_NAME, cache_env, rank_dir, served_torch_kwargs, serving_rank
+from kiln.serving import (
+    BYTECODE_DIR,
+    PRECOMPILED_NAME,
+    cache_env,
+    rank_dir,
+    served_torch_kwargs,
+    serving_rank,
+)
 
 log = logging.getLogger("kiln")
 
@@ -134,6 +141,8 @@ def activate(
     notes: list[str] = []
     torch_loaded = "torch" in sys.modules
     os.environ.update(env)
+    if manifest.bytecode:  # before torch, or at least Dynamo and Inductor, is imported
+        notes.extend(_use_bytecode(cache / BYTECODE_DIR))
 
     import torch
 
@@ -151,15 +160,7 @@ def activate(
 
     report = None
     if compat != "ignore":
-        from kiln.compiler.fingerprint import fingerprint
-
-        device = manifest.fingerprint.get("device.type", "cpu")
-        report = compare_manifest(
-            manifest,
-            fingerprint(device, device_index=device_index, keys=False),
-            rank=rank,
-            world_size=manifest.world_size if rank is not None else None,
-        )
+        report = _compare(manifest, device_index, rank)
         if not report.ok:
             if compat == "fail":
                 raise report.error()
@@ -178,12 +179,35 @@ def activate(
         if not loaded:
             notes.append("torch refused the Mega-Cache blob (the folder caches still apply)")
     prepare_inductor(served_torch_kwargs(manifest))
-    slow_start = uncached_reason()
+    slow_start = bytecode.uncached_reason()  # None once use() serves the artifact's
     if slow_start:
         notes.append(slow_start)
     for note in notes:
         log.warning("kiln: %s", note)
     return Activation(cache, env, report, loaded, limit, manifest, notes, layout)
+
+
+def _use_bytecode(folder: Path) -> list[str]:
+    """Serve the artifact's Python bytecode when this image has none of its own (kiln.bytecode);
+    returns a note for the caller's warnings when the artifact's does not fit this interpreter."""
+    note = bytecode.use(folder)
+    if note and sys.pycache_prefix == str(folder):
+        log.info("kiln: %s", note)
+        return []
+    return [note] if note else []
+
+
+def _compare(manifest: Manifest, device_index: int, rank: int | None) -> CheckReport:
+    """This process's environment against the one the caches were baked in."""
+    from kiln.compiler.fingerprint import fingerprint
+
+    device = manifest.fingerprint.get("device.type", "cpu")
+    return compare_manifest(
+        manifest,
+        fingerprint(device, device_index=device_index, keys=False),
+        rank=rank,
+        world_size=manifest.world_size if rank is not None else None,
+    )
 
 
 def _rank(cache: Path, manifest: Manifest, rank: int | None) -> int | None:

@@ -18,6 +18,7 @@ import contextlib
 import fcntl
 import os
 import shutil
+import sys
 import tempfile
 import time
 from collections.abc import Iterator
@@ -26,10 +27,12 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from kiln import bytecode
 from kiln.artifact.archive import sha256_file, source_date_epoch, write_artifact
 from kiln.artifact.manifest import (
     MAX_GRAPH_BREAKS,
     RANKS_FORMAT,
+    Bytecode,
     Distributed,
     FileEntry,
     GraphBreak,
@@ -41,7 +44,7 @@ from kiln.artifact.manifest import (
     ShardInfo,
 )
 from kiln.compiler import inlaunch, ranks
-from kiln.compiler.capture import capture, payload_sha256
+from kiln.compiler.capture import capture, capture_bytecode, payload_sha256
 from kiln.compiler.dynamo_log import merge_breaks
 from kiln.compiler.launch import WorkerRun, run_worker
 from kiln.compiler.protocol import WorkerRequest, input_stream
@@ -49,6 +52,7 @@ from kiln.errors import UsageError, VerificationError
 from kiln.events import Capturing, EventSink, Packed, Packing, PassStarted, Proving, ignore
 from kiln.grid import Bucket, Shard, expand, ordered, rotations, shard_grid
 from kiln.serving import (
+    BYTECODE_DIR,
     FRAMES_DIR,
     INDUCTOR_DIR,
     MEGACACHE_NAME,
@@ -229,6 +233,15 @@ def _sorted_grid(buckets: list[Any], like: list[Any]) -> list[Any]:
     return sorted(buckets, key=lambda b: order[b.key])
 
 
+def _ships_bytecode(spec: Spec) -> bool:
+    """Whether this bake ships the imported modules' bytecode: asked for, or (``auto``) this
+    image compiles torch from source at every start, so the serving image built from it likely
+    does too. One-process specs only: a rank serves from its own folder."""
+    if spec.distributed is not None or spec.bytecode == "never":
+        return False
+    return spec.bytecode == "always" or bytecode.uncached_reason() is not None
+
+
 def _pass_count(spec: Spec, passes: int | None) -> tuple[int, bool]:
     """How many fresh-process passes to run at most, and whether to stop at the first quiet one
     (automatic: only specs whose compiles depend on order or on tuning results need more)."""
@@ -265,6 +278,7 @@ class _Baker:
     # The files capture() found, and after how many passes: only a pass changes the work
     # folder (the proof serves a copy elsewhere), so a proven bake hashes its cache once.
     _captured: tuple[int, tuple[list[FileEntry], ranks.Stored | None]] | None = None
+    _bytecode: Bytecode | None = None
 
     def __post_init__(self) -> None:
         self.root = self.work / INDUCTOR_DIR
@@ -287,6 +301,7 @@ class _Baker:
             precompile_save=str(precompile) if precompile else None,
             frames="record" if route == "frames" else None,
             fingerprint=True,
+            report_imports=_ships_bytecode(self.spec),
         )
         # Later passes compile as a server without kiln.activate() does (plain torch.compile
         # through kiln.env), so that route finds its entries too; the proof serves the route
@@ -324,16 +339,31 @@ class _Baker:
         """What the work folder holds now, described (captured again after a re-bake's pass)."""
         if self._captured is None or self._captured[0] != len(self.runs):
             self.emit(Capturing())
-            self._captured = (len(self.runs), _capture(self.spec, self.work))
+            self._bytecode = self._write_bytecode()
+            files, stored = _capture(self.spec, self.work)
+            files = sorted(files + capture_bytecode(self.work / BYTECODE_DIR), key=lambda e: e.path)
+            self._captured = (len(self.runs), (files, stored))
         files, stored = self._captured[1]
         warnings = _warnings(self.runs, self.pass_stats, proof, proof_warning)
         runs, stats = self.runs, self.pass_stats
         manifest = _manifest(self.spec, self.buckets, runs, stats, files, warnings, proof)
+        manifest.bytecode = self._bytecode
         if stored is not None:
             manifest = _with_ranks(self.spec, manifest, runs, stored)
         if self.shard is not None:
             manifest.shard = ShardInfo.of(self.shard.count, [self.shard.index])
         return manifest
+
+    def _write_bytecode(self) -> Bytecode | None:
+        """The bytecode of every library module the passes imported, compiled into the work
+        folder's ``bytecode/`` tree, when the spec ships it (:func:`_ships_bytecode`)."""
+        sources = sorted({s for run in self.runs for r in run.results for s in r.imported_sources})
+        if not sources:
+            return None
+        folder = self.work / BYTECODE_DIR
+        shutil.rmtree(folder, ignore_errors=True)
+        count = bytecode.write(sources, folder)
+        return Bytecode(python=sys.implementation.cache_tag, modules=count) if count else None
 
     def prove(self, manifest: Manifest, *, strict: bool) -> Manifest:
         """Serve the packed artifact from a fresh process, restored at another path, in a new

@@ -350,6 +350,7 @@ class _Bench:
         precompiled = (
             " + precompiled" if m.precompiled else " + saved frames" if m.precompiled_frames else ""
         )
+        precompiled += " + Python bytecode" if m.bytecode else ""
         plans = {
             "eager": _Plan(self.eager, ""),
             "kiln": _Plan(self.kiln, f"restored artifact at a new path, via kiln.env{precompiled}"),

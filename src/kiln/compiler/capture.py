@@ -18,7 +18,7 @@ from kiln.artifact.payload import MEASURED_KINDS as MEASURED_KINDS
 from kiln.artifact.payload import payload_diff as payload_diff
 from kiln.artifact.payload import payload_lines as payload_lines
 from kiln.artifact.payload import payload_sha256 as payload_sha256
-from kiln.serving import FRAMES_DIR, INDUCTOR_DIR, MEGACACHE_NAME, PRECOMPILED_NAME
+from kiln.serving import BYTECODE_DIR, FRAMES_DIR, INDUCTOR_DIR, MEGACACHE_NAME, PRECOMPILED_NAME
 
 _SKIP_DIRS = frozenset({"locks", "__pycache__"})
 _TOP_KINDS = {
@@ -50,6 +50,8 @@ def classify(rel: str) -> str:
         return "megacache"
     if rel == PRECOMPILED_NAME:
         return "precompile"
+    if parts[0] == BYTECODE_DIR:
+        return "bytecode"
     if len(parts) >= 2 and parts[0] == INDUCTOR_DIR:
         top = parts[1]
         if top in _TOP_KINDS:
@@ -61,17 +63,26 @@ def classify(rel: str) -> str:
 def capture(cache_root: Path, *blobs: Path) -> list[FileEntry]:
     """File entries for ``cache_root`` (stored under ``inductor/``) and the blobs that exist
     (the Mega-Cache blob, the precompiled forwards), stored at the artifact root by name."""
+    entries = _tree(cache_root, INDUCTOR_DIR)
+    entries.extend(_entry(blob, blob.name) for blob in blobs if blob.is_file())
+    return sorted(entries, key=lambda e: e.path)
+
+
+def capture_bytecode(folder: Path) -> list[FileEntry]:
+    """File entries for a bake's bytecode tree (kiln.bytecode), stored under ``bytecode/``."""
+    return _tree(folder, BYTECODE_DIR) if folder.is_dir() else []
+
+
+def _tree(root: Path, stored_as: str) -> list[FileEntry]:
     entries: list[FileEntry] = []
-    for dirpath, dirnames, filenames in os.walk(cache_root):
+    for dirpath, dirnames, filenames in os.walk(root):
         dirnames[:] = sorted(d for d in dirnames if d not in _SKIP_DIRS)
         for name in sorted(filenames):
             path = Path(dirpath) / name
             if _skipped(name) or path.is_symlink() or not path.is_file():
                 continue
-            rel = f"{INDUCTOR_DIR}/{path.relative_to(cache_root).as_posix()}"
-            entries.append(_entry(path, rel))
-    entries.extend(_entry(blob, blob.name) for blob in blobs if blob.is_file())
-    return sorted(entries, key=lambda e: e.path)
+            entries.append(_entry(path, f"{stored_as}/{path.relative_to(root).as_posix()}"))
+    return entries
 
 
 def _entry(path: Path, rel: str) -> FileEntry:

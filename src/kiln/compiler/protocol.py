@@ -55,6 +55,10 @@ class WorkerRequest(_Message):
         None, description="Dynamo's saved frames: record them (bake) or serve from them"
     )
     fingerprint: bool = Field(False, description="record this process's environment fingerprint")
+    report_imports: bool = Field(False, description="list the library sources imported (bake)")
+    bytecode: str | None = Field(
+        None, description="a restored bytecode tree to import from (kiln.bytecode.use)"
+    )
     device_index: int = Field(0, ge=0)
     input_seed: int = Field(
         0, ge=0, le=2**40, description="offset of every input seed (verify serves unseen data)"
@@ -106,6 +110,10 @@ class WorkerResult(_Message):
     megacache: MegacacheInfo = Field(default_factory=MegacacheInfo)
     fingerprint: dict[str, Any] | None = None
     graph_breaks: list[GraphBreak] = Field(default_factory=list, description="merged, all buckets")
+    imported_sources: list[str] = Field(
+        default_factory=list, description="library sources imported (report_imports)"
+    )
+    bytecode_modules: int = Field(0, ge=0, description="modules imported from request.bytecode")
     phases: dict[str, float] = Field(
         default_factory=dict, description="start-up in order: seconds per phase, before a call"
     )

@@ -25,7 +25,14 @@ from kiln.errors import IncompatibleError, NotFoundError
 from kiln.events import EventSink
 from kiln.files import atomic_write
 from kiln.grid import expand, ordered
-from kiln.serving import INDUCTOR_DIR, PRECOMPILED_NAME, cache_env, rank_dir, served_torch_kwargs
+from kiln.serving import (
+    BYTECODE_DIR,
+    INDUCTOR_DIR,
+    PRECOMPILED_NAME,
+    cache_env,
+    rank_dir,
+    served_torch_kwargs,
+)
 from kiln.spec import Spec, load_spec
 
 _VERIFY_STREAMS = 100  # input streams below this are the bake's passes
@@ -146,6 +153,7 @@ def served_request(cache: Path, manifest: Manifest, order: list[str], calls: int
         cache_root=str(cache / INDUCTOR_DIR),
         precompile_load=str(cache / precompiled) if precompiled else None,
         frames="serve" if manifest.precompiled_frames else None,
+        bytecode=str(cache / BYTECODE_DIR) if manifest.bytecode else None,
     )
 
 
@@ -213,7 +221,11 @@ def verify(
         time_to_warm_s=run.time_to_warm,
         spec_matches=spec.sha256() == manifest.spec_sha256,
         graph_breaks=manifest.graph_breaks,
-        extra={"precompile_load_s": run.result.precompile_load_s, "ranks": spec.world_size},
+        extra={
+            "precompile_load_s": run.result.precompile_load_s,
+            "ranks": spec.world_size,
+            "bytecode_modules": run.result.bytecode_modules,  # imported from the artifact's
+        },
     )
     if ready_file is not None:
         _mark_ready(Path(ready_file), report)

@@ -32,6 +32,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, TypeVar
 
+from kiln import bytecode
 from kiln.artifact.manifest import MAX_GRAPH_BREAKS, BucketStats, CompileCounts, GraphBreak
 from kiln.compiler import frames, ranks
 from kiln.compiler.activate import prepare_inductor
@@ -313,6 +314,8 @@ def run(request: WorkerRequest) -> WorkerResult:
         ),
         fingerprint=_fingerprint(request, spec),
         graph_breaks=merge_breaks(_relative(grid.meter.breaks, spec), MAX_GRAPH_BREAKS),
+        imported_sources=bytecode.imported_sources() if request.report_imports else [],
+        bytecode_modules=bytecode.served_modules(Path(request.bytecode)) if request.bytecode else 0,
         phases=clock.phases,
     )
 
@@ -699,6 +702,10 @@ def main(argv: list[str] | None = None) -> int:
     request_path, outcome_path = Path(args[0]), Path(args[1])
     request = WorkerRequest.model_validate_json(request_path.read_text())
     os.environ.update(request.env)  # a rank's own cache folders, before torch reads them
+    if request.bytecode:  # before torch is imported, as a server calling kiln.activate() first
+        note = bytecode.use(Path(request.bytecode))
+        if note:
+            print(f"kiln: {note}", file=sys.stderr)
     try:
         outcome = WorkerOutcome(result=run(request))
         code = 0
