@@ -45,7 +45,10 @@ def store_once(files_by_rank: list[list[FileEntry]]) -> Stored:
             prefix = f"{RANKS_DIR}/{rank}/"
             for entry in files_by_rank[0]:
                 path = prefix + entry.path.split("/", 2)[2]
-                copies.append(CopyEntry(path=path, source=entry.path))
+                # Rank 0's file may itself be a copy (two of its files with equal bytes):
+                # a copy's source is always a stored file, the first with those bytes.
+                source = first[(entry.sha256, entry.size)]
+                copies.append(CopyEntry(path=path, source=source))
             same_as.append(0)
             continue
         same_as.append(None)
