@@ -19,7 +19,7 @@ import pytest
 
 from kiln.artifact.archive import read_manifest, write_artifact
 from kiln.artifact.blobs import read_megacache
-from kiln.artifact.manifest import BucketStats, FileEntry, Manifest, ShardInfo
+from kiln.artifact.manifest import BucketStats, Bytecode, FileEntry, Manifest, ShardInfo
 from kiln.artifact.merge import merge
 from kiln.errors import IntegrityError, UsageError
 from kiln.grid import Shard, expand, shard_buckets
@@ -65,6 +65,7 @@ def shard_artifact(
     megacache: bytes | None = None,
     precompiled: bytes | None = None,
     name: str | None = None,
+    bytecode: Bytecode | None = None,
 ) -> Path:
     """Shard ``index``/``count`` of the spec as `kiln bake --shard` writes it, by hand: the
     buckets the shard owns, one FX entry per bucket, SHARED, and optional blobs."""
@@ -84,6 +85,7 @@ def shard_artifact(
         (root / path).parent.mkdir(parents=True, exist_ok=True)
         (root / path).write_bytes(data)
         kind = {"megacache.bin": "megacache", "precompiled.bin": "precompile"}.get(path, "other")
+        kind = "bytecode" if path.startswith("bytecode/") else kind
         digest = hashlib.sha256(data).hexdigest()
         entries.append(FileEntry(path=path, size=len(data), sha256=digest, kind=kind))
     manifest = Manifest(
@@ -100,6 +102,7 @@ def shard_artifact(
         files=entries,
         megacache="megacache.bin" if megacache is not None else None,
         precompiled="precompiled.bin" if precompiled is not None else None,
+        bytecode=bytecode,
         compile_kwargs={"backend": "inductor", "dynamic": False},
         shard=ShardInfo.of(count, [index]),
     )
@@ -315,6 +318,25 @@ def test_an_unmergeable_megacache_is_dropped_with_a_warning(
     result = merge([c, d], tmp_path / "m.kiln.tar.zst")
     assert result.manifest.megacache is None
     assert any("different 'autotune' artifacts" in w for w in result.manifest.warnings)
+
+
+def test_the_shards_python_bytecode_merges_into_one_tree(tmp_path: Path, spec_path: Path) -> None:
+    """Each shard ships the bytecode its own passes imported: the merge serves their union."""
+    tag = "cpython-312"
+    pyc = {m: f"bytecode/usr/lib/python3.12/{m}.{tag}.pyc" for m in "abc"}
+
+    def shard(i: int, modules: str) -> Path:
+        files = {pyc[m]: m.encode() for m in modules}
+        shipped = Bytecode(python=tag, modules=len(files)) if files else None
+        return shard_artifact(tmp_path, spec_path, i, 3, files=files, bytecode=shipped)
+
+    merged = merge([shard(0, "ab"), shard(1, "bc"), shard(2, "")], tmp_path / "m.kiln.tar.zst")
+    assert merged.manifest.bytecode == Bytecode(python=tag, modules=3)
+    assert sorted(f.path for f in merged.manifest.files if f.kind == "bytecode") == sorted(
+        pyc.values()
+    )
+    none = [shard_artifact(tmp_path, spec_path, i, 3, name=f"plain-{i}") for i in range(3)]
+    assert merge(none, tmp_path / "n.kiln.tar.zst").manifest.bytecode is None
 
 
 def test_merge_needs_artifacts(tmp_path: Path, cli) -> None:

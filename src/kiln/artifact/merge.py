@@ -520,6 +520,16 @@ def _created(inputs: list[_Input]) -> str:
     return max(times)[1]
 
 
+def _bytecode(inputs: list[_Input], entries: list[FileEntry]) -> dict[str, Any] | None:
+    """The union of the shards' Python bytecode (kiln.bytecode), which every shard ships for
+    the modules its own passes imported: the same sources give the same bytes (_files checks)."""
+    shipped = [i.manifest.bytecode for i in inputs if i.manifest.bytecode is not None]
+    if not shipped:
+        return None
+    modules = sum(1 for e in entries if e.kind == "bytecode")
+    return {"python": shipped[0].python, "modules": modules}
+
+
 def _manifest(
     inputs: list[_Input],
     spec: Spec,
@@ -572,6 +582,7 @@ def _manifest(
         "files": [e.model_dump() for e in entries],
         "megacache": megacache,
         "precompiled": precompiled,
+        "bytecode": _bytecode(inputs, entries),
         "payload_sha256": None,  # below: over every file restore installs, copies included
         "compile_kwargs": first.compile_kwargs,
         "warnings": warnings,
