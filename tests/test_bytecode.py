@@ -54,7 +54,7 @@ def test_installed_torch_and_missing_packages() -> None:
 # A server on an image without torch's bytecode, emulated for real: an empty pycache prefix is
 # where this interpreter looks for every module's bytecode.
 SERVE = """
-import importlib._bootstrap_external as ext, importlib.util, sys
+import importlib._bootstrap_external as ext, importlib.util, os, sys
 from pathlib import Path
 from kiln import bytecode
 folder, pkg = Path(sys.argv[1]), Path(sys.argv[2])
@@ -71,22 +71,29 @@ if sys.argv[3] == "bake":
     )
     cached.write_bytes(bytes(data))
     raise SystemExit
+before = bytecode.ImportState.now()
 print(bytecode.uncached_reason() is not None, bytecode.use(folder))
+if sys.argv[3] == "give up":  # as activate(compat="fail") does before raising
+    before.restore()
+    print(bytecode.ImportState.now() == before)
+    raise SystemExit
 sys.path.insert(0, str(pkg))
 import mod
 served = bytecode.served_modules(folder)
 print(getattr(mod, "SERVED", "from source"), served, sys.dont_write_bytecode)
+env = os.environ
+print(env.get("PYTHONPYCACHEPREFIX") == str(folder), env.get("PYTHONDONTWRITEBYTECODE"))
 """
 
 
-def _serve(folder: Path, pkg: Path, step: str, prefix: Path | None) -> list[str]:
+def _serve(folder: Path, pkg: Path, step: str, prefix: Path | None, *flags: str) -> list[str]:
     env = {"PYTHONPATH": str(Path(__file__).parents[1] / "src")}
     if prefix is not None:  # no bytecode where Python looks; use() turns writing it off
         env["PYTHONPYCACHEPREFIX"] = str(prefix)
     if step == "bake":  # keeps the prefix free of torch's bytecode
         env["PYTHONDONTWRITEBYTECODE"] = "1"
     proc = subprocess.run(
-        [sys.executable, "-c", SERVE, str(folder), str(pkg), step],
+        [sys.executable, *flags, "-c", SERVE, str(folder), str(pkg), step],
         capture_output=True,
         text=True,
         env=env,
@@ -104,10 +111,14 @@ def test_shipped_bytecode_serves_an_image_without_its_own(tmp_path: Path) -> Non
     uncached, note = _serve(folder, pkg, "serve", empty)[0].split(" ", 1)
     assert uncached == "True"
     assert note == f"importing Python bytecode from {folder} (torch's is not cached here)"
-    assert _serve(folder, pkg, "serve", empty)[1] == "from the prefix 1 True"
+    # Child interpreters (Inductor's compile workers) import from it too, and write nothing.
+    assert _serve(folder, pkg, "serve", empty)[1:] == ["from the prefix 1 True", "True 1"]
     assert len([p for p in folder.rglob("*") if p.is_file()]) == 2  # left as restored
-    # Where torch's bytecode is cached (this venv), a prefix would only cost: not used.
-    assert _serve(folder, pkg, "serve", None) == ["False None", "from source 0 False"]
+    assert _serve(folder, pkg, "give up", empty)[1] == "True"
+    # Where torch's bytecode is cached (this venv), a prefix would only cost: not used; nor
+    # under -O, where Python looks for .opt-1 files the artifact does not hold.
+    assert _serve(folder, pkg, "serve", None)[:2] == ["False None", "from source 0 False"]
+    assert _serve(folder, pkg, "serve", empty, "-O")[:2] == ["True None", "from source 0 False"]
     # A changed source is compiled from source, never served stale.
     (pkg / "mod.py").write_text("SERVED = 'changed'\n")
     assert _serve(folder, pkg, "serve", empty)[1] == "changed 0 True"
@@ -119,8 +130,33 @@ def test_bytecode_for_another_torch_is_named_and_unused(tmp_path: Path) -> None:
         d.mkdir(parents=True)
     (pkg / "mod.py").write_text("X = 1\n")
     note = _serve(folder, pkg, "serve", empty)[0]
-    assert note.startswith("True the artifact's Python bytecode is not for this interpreter (")
+    assert note.startswith("True the artifact's Python bytecode does not cover this torch (")
     assert _serve(folder, pkg, "serve", empty)[1] == "from source 0 False"
+
+
+def test_written_bytecode_is_the_same_whichever_process_writes_it(tmp_path: Path) -> None:
+    """Shards must agree: a process that imported sympy (as Inductor does) once compiled some
+    sources to other bytes (marshal's shared-reference flag); write() compiles in isolation."""
+    import importlib.util
+
+    origin = importlib.util.find_spec("torch").origin
+    sources = sorted(str(p) for p in (Path(origin).parent / "profiler").glob("*.py"))
+    code = (
+        "import sys; from pathlib import Path; from kiln.bytecode import write; "
+        "sys.argv[1] == 'busy' and __import__('sympy'); "
+        "print(write(sys.argv[3:], Path(sys.argv[2])))"
+    )
+    trees = {}
+    for how in ("fresh", "busy"):
+        out = tmp_path / how
+        subprocess.run(
+            [sys.executable, "-c", code, how, str(out), *sources],
+            check=True,
+            env={"PYTHONPATH": str(Path(__file__).parents[1] / "src")},
+        )
+        trees[how] = {p.relative_to(out): p.read_bytes() for p in out.rglob("*.pyc")}
+    assert len(trees["fresh"]) == len(sources) > 5
+    assert trees["fresh"] == trees["busy"]
 
 
 def test_prefix_paths_mirror_absolute_normalized_sources_only() -> None:
@@ -166,6 +202,7 @@ def test_a_bake_on_an_image_without_bytecode_ships_it_and_verify_serves_it(
 
 def test_the_spec_decides_whether_a_bake_ships_bytecode(write_spec) -> None:
     from kiln.compiler.bake import _ships_bytecode
+    from kiln.errors import SpecError
     from kiln.spec import load_spec
     from tests.conftest import mlp_spec
 
@@ -178,6 +215,10 @@ def test_the_spec_decides_whether_a_bake_ships_bytecode(write_spec) -> None:
         True,
         False,
     )
+    tp = (Path(__file__).parents[1] / "configs" / "tp-mlp-cpu.yaml").read_text()
+    tp = tp.replace("../examples/", f"{Path(__file__).parents[1]}/examples/")
+    with pytest.raises(SpecError, match=r"bytecode: a multi-rank bake ships no Python bytecode"):
+        load_spec(write_spec(tp + "bytecode: always\n", "tp.yaml"))
     assert (
         load_spec(write_spec(mlp_spec())).sha256()
         == load_spec(write_spec(mlp_spec() + "bytecode: auto\n")).sha256()

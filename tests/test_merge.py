@@ -326,15 +326,16 @@ def test_the_shards_python_bytecode_merges_into_one_tree(tmp_path: Path, spec_pa
     pyc = {m: f"bytecode/usr/lib/python3.12/{m}.{tag}.pyc" for m in "abc"}
 
     def shard(i: int, modules: str) -> Path:
-        files = {pyc[m]: m.encode() for m in modules}
+        # Bytes differ per shard (kilns before isolated compiling): the first shard's stay.
+        files = {pyc[m]: f"{m}{i}".encode() for m in modules}
         shipped = Bytecode(python=tag, modules=len(files)) if files else None
         return shard_artifact(tmp_path, spec_path, i, 3, files=files, bytecode=shipped)
 
     merged = merge([shard(0, "ab"), shard(1, "bc"), shard(2, "")], tmp_path / "m.kiln.tar.zst")
     assert merged.manifest.bytecode == Bytecode(python=tag, modules=3)
-    assert sorted(f.path for f in merged.manifest.files if f.kind == "bytecode") == sorted(
-        pyc.values()
-    )
+    shipped = {f.path: f.sha256 for f in merged.manifest.files if f.kind == "bytecode"}
+    assert sorted(shipped) == sorted(pyc.values())
+    assert shipped[pyc["b"]] == hashlib.sha256(b"b0").hexdigest()
     none = [shard_artifact(tmp_path, spec_path, i, 3, name=f"plain-{i}") for i in range(3)]
     assert merge(none, tmp_path / "n.kiln.tar.zst").manifest.bytecode is None
 

@@ -25,15 +25,16 @@ from __future__ import annotations
 
 import importlib.util
 import os
-import py_compile
+import subprocess
 import sys
 import sysconfig
 from collections.abc import Iterable
+from dataclasses import dataclass
 from pathlib import Path, PurePosixPath
 
 # A module every torch.compile process imports: if its bytecode is cached, torch's is.
 _PROBE = ("_inductor", "compile_fx.py")
-_CHECKED = py_compile.PycInvalidationMode.CHECKED_HASH
+_PREFIX_VAR = "PYTHONPYCACHEPREFIX"
 
 
 def _probe_source(package: str = "torch") -> Path | None:
@@ -91,27 +92,68 @@ def imported_sources() -> list[str]:
     return sorted(found)
 
 
+# Compiles each (source, pyc) pair of stdin (NUL-separated: no path holds one); prints how many
+# it wrote. Run in a fresh, isolated interpreter: marshal marks a constant shared by reference
+# when the compiling process holds other references to it, so the same source compiles to other
+# bytes in a process that has imported torch or sympy (equal code, unequal files), and shards
+# would disagree.
+_COMPILE = """
+import py_compile, sys
+paths = sys.stdin.read().split("\\0")
+count = 0
+for source, cfile in zip(paths[::2], paths[1::2]):
+    try:
+        py_compile.compile(source, cfile=cfile, doraise=True, optimize=0,
+                           invalidation_mode=py_compile.PycInvalidationMode.CHECKED_HASH)
+    except (py_compile.PyCompileError, OSError, ValueError):
+        continue
+    count += 1
+print(count)
+"""
+
+
 def write(sources: Iterable[str], dest: Path) -> int:
     """Compile ``sources`` into ``dest`` as a ``sys.pycache_prefix`` tree of checked-hash
     pycs; returns how many were written. A source that no longer compiles is left out (Python
-    compiles it at import, as it would without kiln). Deterministic: no timestamps."""
-    count = 0
+    compiles it at import, as it would without kiln). Deterministic: no timestamps, and the
+    same bytes whichever process asks (:data:`_COMPILE`)."""
+    jobs = []
     for source in sources:
         rel = prefix_path(source)
-        if rel is None or not Path(source).is_file():
-            continue
-        try:
-            py_compile.compile(
-                source,
-                cfile=str(dest / rel),
-                doraise=True,
-                optimize=0,
-                invalidation_mode=_CHECKED,
-            )
-        except (py_compile.PyCompileError, OSError, ValueError):
-            continue
-        count += 1
-    return count
+        if rel is not None and "\0" not in source and Path(source).is_file():
+            jobs += [source, str(dest / rel)]
+    if not jobs:
+        return 0
+    proc = subprocess.run(
+        [sys.executable, "-I", "-S", "-c", _COMPILE],
+        input="\0".join(jobs),
+        capture_output=True,
+        text=True,
+        check=True,
+    )
+    return int(proc.stdout)
+
+
+@dataclass(frozen=True)
+class ImportState:
+    """What :func:`use` changes in a process, as it was: restored when the caller gives up."""
+
+    prefix: str | None
+    dont_write: bool
+    env: dict[str, str | None]
+
+    @classmethod
+    def now(cls) -> ImportState:
+        env = {k: os.environ.get(k) for k in (_PREFIX_VAR, "PYTHONDONTWRITEBYTECODE")}
+        return cls(sys.pycache_prefix, sys.dont_write_bytecode, env)
+
+    def restore(self) -> None:
+        sys.pycache_prefix, sys.dont_write_bytecode = self.prefix, self.dont_write
+        for key, value in self.env.items():
+            if value is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = value
 
 
 def use(folder: Path) -> str | None:
@@ -122,18 +164,21 @@ def use(folder: Path) -> str | None:
     ``kiln.activate()`` before Dynamo and Inductor. Writing bytecode is turned off for the
     process, so the restored folder stays exactly as restored.
     """
-    if not folder.is_dir() or uncached_reason() is None:
+    # Under -O Python looks for .opt-1 pycs, which the artifact does not hold.
+    if not folder.is_dir() or sys.flags.optimize or uncached_reason() is None:
         return None
     probe = _probe_source()
     rel = prefix_path(str(probe)) if probe else None
     if rel is None or not (folder / rel).is_file():
         where = probe.parent.parent if probe else "?"
         return (
-            f"the artifact's Python bytecode is not for this interpreter "
-            f"({sys.implementation.cache_tag}, torch at {where}): modules compile from source"
+            f"the artifact's Python bytecode does not cover this torch "
+            f"({sys.implementation.cache_tag}, at {where}): modules compile from source"
         )
     sys.pycache_prefix = str(folder)
     sys.dont_write_bytecode = True
+    # Child interpreters of this image (Inductor's compile workers) lack it too.
+    os.environ.update({_PREFIX_VAR: str(folder), "PYTHONDONTWRITEBYTECODE": "1"})
     return f"importing Python bytecode from {folder} (torch's is not cached here)"
 
 

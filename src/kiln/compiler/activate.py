@@ -140,6 +140,7 @@ def activate(
     env = cache_env(cache, manifest.env, rank)
     notes: list[str] = []
     torch_loaded = "torch" in sys.modules
+    imports = bytecode.ImportState.now()
     os.environ.update(env)
     if manifest.bytecode:  # before torch, or at least Dynamo and Inductor, is imported
         notes.extend(_use_bytecode(cache / BYTECODE_DIR))
@@ -162,7 +163,8 @@ def activate(
     if compat != "ignore":
         report = _compare(manifest, device_index, rank)
         if not report.ok:
-            if compat == "fail":
+            if compat == "fail":  # a server that falls back imports as it did before
+                imports.restore()
                 raise report.error()
             message = report.miss_message()
             warnings.warn(message, CompatWarning, stacklevel=2)
