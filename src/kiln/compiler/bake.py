@@ -174,7 +174,9 @@ def _capture(spec: Spec, work: Path) -> tuple[list[FileEntry], ranks.Stored | No
     """The files of ``work``'s layout; for K ranks, each rank's under ``ranks/R/``, stored once
     where ranks share them (:func:`kiln.compiler.ranks.store_once`; the rest are copies)."""
     if spec.distributed is None:
-        return capture(work / INDUCTOR_DIR, work / MEGACACHE_NAME, work / PRECOMPILED_NAME), None
+        files = capture(work / INDUCTOR_DIR, work / MEGACACHE_NAME, work / PRECOMPILED_NAME)
+        files += capture_bytecode(work / BYTECODE_DIR)  # the ranks' bakes ship none
+        return sorted(files, key=lambda e: e.path), None
     by_rank = []
     for rank in range(spec.world_size):
         folder = rank_dir(work, rank)
@@ -340,9 +342,7 @@ class _Baker:
         if self._captured is None or self._captured[0] != len(self.runs):
             self.emit(Capturing())
             self._bytecode = self._write_bytecode()
-            files, stored = _capture(self.spec, self.work)
-            files = sorted(files + capture_bytecode(self.work / BYTECODE_DIR), key=lambda e: e.path)
-            self._captured = (len(self.runs), (files, stored))
+            self._captured = (len(self.runs), _capture(self.spec, self.work))
         files, stored = self._captured[1]
         warnings = _warnings(self.runs, self.pass_stats, proof, proof_warning)
         runs, stats = self.runs, self.pass_stats
