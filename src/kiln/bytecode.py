@@ -34,7 +34,8 @@ from pathlib import Path, PurePosixPath
 
 # A module every torch.compile process imports: if its bytecode is cached, torch's is.
 _PROBE = ("_inductor", "compile_fx.py")
-_PREFIX_VAR = "PYTHONPYCACHEPREFIX"
+# How use() tells child interpreters what it set in this one (they read these at start).
+_CHILD_ENV = ("PYTHONPYCACHEPREFIX", "PYTHONDONTWRITEBYTECODE")
 
 
 def _probe_source(package: str = "torch") -> Path | None:
@@ -144,7 +145,7 @@ class ImportState:
 
     @classmethod
     def now(cls) -> ImportState:
-        env = {k: os.environ.get(k) for k in (_PREFIX_VAR, "PYTHONDONTWRITEBYTECODE")}
+        env = {k: os.environ.get(k) for k in _CHILD_ENV}
         return cls(sys.pycache_prefix, sys.dont_write_bytecode, env)
 
     def restore(self) -> None:
@@ -178,7 +179,7 @@ def use(folder: Path) -> str | None:
     sys.pycache_prefix = str(folder)
     sys.dont_write_bytecode = True
     # Child interpreters of this image (Inductor's compile workers) lack it too.
-    os.environ.update({_PREFIX_VAR: str(folder), "PYTHONDONTWRITEBYTECODE": "1"})
+    os.environ.update(dict(zip(_CHILD_ENV, (str(folder), "1"), strict=True)))
     return f"importing Python bytecode from {folder} (torch's is not cached here)"
 
 
