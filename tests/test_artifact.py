@@ -31,9 +31,16 @@ def make_cache(root: Path) -> Path:
 
 
 def test_capture_skips_locks_and_temp_and_classifies(tmp_path: Path) -> None:
-    cache = make_cache(tmp_path)
-    entries = capture(cache, tmp_path / "megacache.bin")
+    make_cache(tmp_path)
+    home = tmp_path / "triton-home" / ".triton" / "cache" / "K"
+    home.mkdir(parents=True)
+    (home / "cuda_utils.cpython-312-x86_64-linux-gnu.so").write_bytes(b"\x7fELF")
+    entries = capture(tmp_path)
     paths = [e.path for e in entries]
+    assert "megacache.bin" in paths
+    # Triton's helpers built outside the root ship too (a pod would build them with gcc).
+    helper = "triton-home/.triton/cache/K/cuda_utils.cpython-312-x86_64-linux-gnu.so"
+    assert {e.path: e.kind for e in entries}[helper] == "triton"
     assert paths == sorted(paths)
     assert "inductor/locks/xy.lock" not in paths
     assert not any(".tmp" in p for p in paths)
@@ -45,8 +52,8 @@ def test_capture_skips_locks_and_temp_and_classifies(tmp_path: Path) -> None:
 def pack(tmp_path: Path, out: Path) -> tuple[str, int]:
     from tests.archives import manifest_for
 
-    cache = make_cache(tmp_path)
-    entries = capture(cache, tmp_path / "megacache.bin")
+    make_cache(tmp_path)
+    entries = capture(tmp_path)
     manifest = manifest_for({})
     manifest.files = entries
     return write_artifact(out, manifest, tmp_path)
@@ -84,7 +91,7 @@ def test_failed_pack_leaves_nothing(tmp_path: Path) -> None:
 
     cache = make_cache(tmp_path)
     manifest = manifest_for({})
-    manifest.files = capture(cache)
+    manifest.files = capture(tmp_path)
     (cache / "fxgraph/ab/entry").write_bytes(b"changed after capture")
     out = tmp_path / "out.kiln.tar.zst"
     out.write_bytes(b"previous artifact")

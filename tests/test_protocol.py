@@ -32,6 +32,7 @@ from kiln.events import (
     WorkerStarted,
 )
 from kiln.serving import (
+    COMPILE_DEFAULTS,
     compile_env,
     served_torch_kwargs,
     torch_kwargs,
@@ -206,11 +207,15 @@ def test_worker_env_runs_this_kiln_without_inherited_cache_locations(
 
 def test_compile_env_pins_the_job_id_where_shapes_may_be_dynamic(write_spec) -> None:
     static = load_spec(write_spec(mlp_spec()))
-    assert compile_env(static) == {}
+    assert compile_env(static) == COMPILE_DEFAULTS
     dynamic = load_spec(write_spec(mlp_spec("dyn", dynamic="null"), "d.yaml"))
-    assert compile_env(dynamic) == {"TORCH_COMPILE_JOB_ID": "kiln-dyn"}
+    assert compile_env(dynamic) == COMPILE_DEFAULTS | {"TORCH_COMPILE_JOB_ID": "kiln-dyn"}
     own = load_spec(write_spec(mlp_spec(dynamic="true") + "env: {TORCH_COMPILE_JOB_ID: x}\n"))
-    assert compile_env(own) == {"TORCH_COMPILE_JOB_ID": "x"}
+    assert compile_env(own) == COMPILE_DEFAULTS | {"TORCH_COMPILE_JOB_ID": "x"}
+    # A spec's own value of a default stands.
+    pch = "env: {TORCHINDUCTOR_CPP_CACHE_PRECOMPILE_HEADERS: '1'}\n"
+    mine = load_spec(write_spec(mlp_spec() + pch, "p.yaml"))
+    assert compile_env(mine) == {"TORCHINDUCTOR_CPP_CACHE_PRECOMPILE_HEADERS": "1"}
 
 
 def test_served_torch_kwargs_are_what_the_bake_recorded(write_spec) -> None:

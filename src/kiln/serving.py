@@ -37,6 +37,16 @@ MEGACACHE_NAME = "megacache.bin"  # torch.compiler.save_cache_artifacts() blob
 PRECOMPILED_NAME = "precompiled.bin"  # serialized AOT forwards (compile.precompile)
 FRAMES_DIR = "dynamo"  # INDUCTOR_DIR/dynamo: Dynamo's saved frames (precompile), PGO profiles
 BYTECODE_DIR = "bytecode"  # a sys.pycache_prefix tree of the imported modules (kiln.bytecode)
+# TRITON_HOME of a bake and of a served process: Triton builds its native helpers (cuda_utils,
+# kernel launchers) with gcc into TRITON_HOME/.triton/cache whenever Inductor has not yet set
+# TRITON_CACHE_DIR (the driver starts before the first kernel loads). The bake's go into the
+# artifact, so a served process finds them instead of running gcc in every new pod.
+TRITON_HOME_DIR = "triton-home"
+# Inductor takes a file lock under CACHE/locks for every C++ kernel it loads, hit or not; restore
+# links that folder to LOCKS_TARGET so that a read-only DEST serves and a served process writes
+# nothing into it (the locks are empty files, meaningful only between processes of one host).
+LOCKS_DIR = "locks"
+LOCKS_TARGET = "/tmp"
 MANIFEST_NAME = "manifest.json"  # an artifact's first member; restore writes its own copy
 ENV_NAME = "kiln.env"  # written by restore, never shipped
 STATE_NAME = ".kiln-installed.json"  # written by restore, never shipped
@@ -137,15 +147,35 @@ def env_value_problem(key: str, value: str) -> str | None:
     return None
 
 
+# Inductor settings every bake compiles with unless the spec sets them itself (they are part of
+# Inductor's cache key, so the manifest's ``env`` carries them to the served process):
+COMPILE_DEFAULTS = {
+    # A precompiled C++ header lives in torch's default temp folder, outside the cache root, and
+    # torch runs g++ over torch's headers to key it in every new process, even when every kernel
+    # hits: a pod paid seconds of g++ on its first request (2.13 CPU: 6.8 s against 0.3 s).
+    "TORCHINDUCTOR_CPP_CACHE_PRECOMPILE_HEADERS": "0",
+}
+# What every served process runs with, outside Inductor's cache key (kiln.env, activate(),
+# verify, bench and the proof alike):
+SERVING_ENV = {
+    # Loading kernels in Inductor's compile worker pool is a race with the pool's start-up:
+    # a kernel loaded there comes back pickled without its tuning state and is benchmarked
+    # again (H200: 38 kernels re-tuned, 188 benchmarks, in one first process of three, default
+    # mode). A served process compiles nothing, so it loads every kernel in-process.
+    "TORCHINDUCTOR_COMPILE_THREADS": "1",
+}
+
+
 def compile_env(spec: Spec) -> dict[str, str]:
     """Environment the bake compiles under and every serving process must share.
 
-    The spec's ``env`` (its keys passed :func:`env_key_problem` when it parsed), and for
-    automatic or dynamic shapes a pinned ``TORCH_COMPILE_JOB_ID``: the PGO profile torch writes
-    during the bake is keyed by job id, so a pod reads back the one the bake wrote, unless the
-    spec chose an id itself. The manifest records the result as its ``env``.
+    :data:`COMPILE_DEFAULTS`, the spec's ``env`` (its keys passed :func:`env_key_problem` when
+    it parsed) over them, and for automatic or dynamic shapes a pinned
+    ``TORCH_COMPILE_JOB_ID``: the PGO profile torch writes during the bake is keyed by job id,
+    so a pod reads back the one the bake wrote, unless the spec chose an id itself. The
+    manifest records the result as its ``env``.
     """
-    env = spec.compile_env()
+    env = COMPILE_DEFAULTS | spec.compile_env()
     if spec.compile.dynamic is not False:
         env.setdefault("TORCH_COMPILE_JOB_ID", f"kiln-{spec.name}")
     return env
@@ -196,15 +226,26 @@ def serving_rank(world_size: int, environ: Mapping[str, str] | None = None) -> i
 def cache_env(dest: Path, env: Mapping[str, str], rank: int | None = None) -> dict[str, str]:
     """The environment a serving process needs to hit the caches restored at ``dest``.
 
-    ``env`` is the manifest's, already checked by :func:`env_key_problem`; kiln's own locations
-    come last so nothing can override them. ``rank``: this process's rank in a K-rank artifact
-    (its caches are under :func:`rank_dir`); ``KILN_CACHE_DIR`` stays the restored folder.
+    ``env`` is the manifest's, already checked by :func:`env_key_problem`; then
+    :data:`SERVING_ENV`; kiln's own locations come last so nothing can override them. ``rank``:
+    this process's rank in a K-rank artifact (its caches are under :func:`rank_dir`);
+    ``KILN_CACHE_DIR`` stays the restored folder.
     """
+    layout = rank_dir(dest, rank)
     return {
         **env,
-        "TORCHINDUCTOR_CACHE_DIR": str(rank_dir(dest, rank) / INDUCTOR_DIR),
+        **SERVING_ENV,
+        "TORCHINDUCTOR_CACHE_DIR": str(layout / INDUCTOR_DIR),
+        "TRITON_HOME": str(layout / TRITON_HOME_DIR),
         "KILN_CACHE_DIR": str(dest),
     }
+
+
+def lock_links(world_size: int) -> list[str]:
+    """Every rank layout's ``inductor/locks``, relative to DEST: restore makes each a link to
+    :data:`LOCKS_TARGET` (:data:`LOCKS_DIR` says why)."""
+    ranks = [None] if world_size <= 1 else list(range(world_size))
+    return [(rank_dir(Path(), rank) / INDUCTOR_DIR / LOCKS_DIR).as_posix() for rank in ranks]
 
 
 def env_file_text(dest: Path, name: str, env: Mapping[str, str], world_size: int = 1) -> str:
@@ -223,15 +264,19 @@ def env_file_text(dest: Path, name: str, env: Mapping[str, str], world_size: int
     for key, value in cache_env(dest, env).items():
         if not ENV_KEY_PATTERN.fullmatch(key):
             raise ValueError(f"refusing to write environment key {key!r}")
-        if key == "TORCHINDUCTOR_CACHE_DIR" and world_size > 1:
-            lines.extend(_rank_lines(dest, world_size))
+        if key in _RANK_PATHS and world_size > 1:
+            if key == "TORCHINDUCTOR_CACHE_DIR":
+                lines.extend(_rank_lines(dest, world_size))
             continue
         lines.append(f"export {key}={shlex.quote(value)}")
     return "\n".join(lines) + "\n"
 
 
+_RANK_PATHS = {"TORCHINDUCTOR_CACHE_DIR": INDUCTOR_DIR, "TRITON_HOME": TRITON_HOME_DIR}
+
+
 def _rank_lines(dest: Path, world_size: int) -> list[str]:
-    """POSIX sh that exports ``TORCHINDUCTOR_CACHE_DIR`` for the sourcing process's rank.
+    """POSIX sh that exports each of :data:`_RANK_PATHS` for the sourcing process's rank.
 
     ``$RANK`` (else ``$LOCAL_RANK``) must be a plain decimal number (no sign, no leading zero)
     below ``world_size``; otherwise the variable is unset and one line on stderr says why, so
@@ -240,7 +285,10 @@ def _rank_lines(dest: Path, world_size: int) -> list[str]:
     around it is single-quoted like every other value.
     """
     base = shlex.quote(str(dest / RANKS_DIR))
-    inductor = shlex.quote(INDUCTOR_DIR)
+    exports = [
+        f'  export {key}={base}/"$kiln_rank"/{shlex.quote(name)}'
+        for key, name in _RANK_PATHS.items()
+    ]
     return [
         'kiln_rank="${RANK:-${LOCAL_RANK:-}}"',
         "kiln_rank_ok=0",
@@ -248,9 +296,9 @@ def _rank_lines(dest: Path, world_size: int) -> list[str]:
         f'  0|[1-9]|[1-9][0-9]) [ "$kiln_rank" -lt {world_size} ] && kiln_rank_ok=1 ;;',
         "esac",
         'if [ "$kiln_rank_ok" = 1 ]; then',
-        f'  export TORCHINDUCTOR_CACHE_DIR={base}/"$kiln_rank"/{inductor}',
+        *exports,
         "else",
-        "  unset TORCHINDUCTOR_CACHE_DIR",
+        f"  unset {' '.join(_RANK_PATHS)}",
         f"  printf '%s\\n' \"kiln.env: RANK/LOCAL_RANK='$kiln_rank' is not a rank of this"
         f' {world_size}-rank artifact: no cache folder set" >&2',
         "fi",

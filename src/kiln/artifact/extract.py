@@ -27,7 +27,7 @@ from kiln.artifact.swap import STAGING_INFIX
 from kiln.errors import IntegrityError, KilnError
 from kiln.events import EventSink, Extracting
 from kiln.files import CHUNK
-from kiln.serving import ENV_NAME, STATE_NAME
+from kiln.serving import ENV_NAME, LOCKS_TARGET, STATE_NAME, lock_links
 
 _QUEUE = 16  # chunks in flight between the decompressing and the writing thread
 _HEADROOM = 1 << 20
@@ -72,6 +72,7 @@ def check_stage(tree: Path, dest: Path, manifest: Manifest) -> None:
     """
     expected = {f.path: f.size for f in manifest.entries()}
     own = {MANIFEST_NAME, ENV_NAME, STATE_NAME}
+    links = set(lock_links(manifest.world_size))
     found: dict[str, int] = {}
     odd: list[str] = []
     for root, dirs, files in os.walk(tree):
@@ -81,6 +82,8 @@ def check_stage(tree: Path, dest: Path, manifest: Manifest) -> None:
             rel = full.relative_to(tree).as_posix()
             if stat.S_ISREG(st.st_mode):
                 found[rel] = st.st_size
+            elif stat.S_ISLNK(st.st_mode) and rel in links and str(full.readlink()) == LOCKS_TARGET:
+                continue
             elif not stat.S_ISDIR(st.st_mode):
                 odd.append(rel)
     missing = sorted((set(expected) | own) - set(found))

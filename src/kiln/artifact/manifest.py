@@ -213,6 +213,11 @@ class CompileCounts(_Model):
     # GEMM autotunes of graphs compiled here + coordinate-descent benchmarks + new .best_config
     # files: re-benchmarking
     autotunes: int = 0
+    # Kernels whose launch configs were benchmarked at run time (Inductor's autotuner): a served
+    # process should read the bake's choice instead.
+    kernel_tunings: int = 0
+    launchers: int = 0  # native helpers built with gcc at run time (Triton launchers, headers)
+    written: int = 0  # other files a served process added or rewrote where it must not
     precompile_misses: int = 0  # calls no precompiled graph accepted (torch.compile fell back)
     new_files: list[str] = Field(default_factory=list)  # a sample of what compiles wrote: why
     unique_graphs: int = 0
@@ -231,6 +236,9 @@ class CompileCounts(_Model):
             + self.aot_misses
             + self.new_native
             + self.autotunes
+            + self.kernel_tunings
+            + self.launchers
+            + self.written
             + self.precompile_misses
         )
 

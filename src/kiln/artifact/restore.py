@@ -42,7 +42,15 @@ from kiln.artifact.swap import UNWRITABLE, Lock, clean_stale, dest_path, make_st
 from kiln.errors import IntegrityError, KilnError, UsageError
 from kiln.events import EventSink, Fetched, Fetching, ignore
 from kiln.files import CHUNK, atomic_write
-from kiln.serving import ENV_NAME, INDUCTOR_DIR, RANKS_DIR, STATE_NAME, env_file_text
+from kiln.serving import (
+    ENV_NAME,
+    INDUCTOR_DIR,
+    LOCKS_TARGET,
+    RANKS_DIR,
+    STATE_NAME,
+    env_file_text,
+    lock_links,
+)
 
 
 @dataclass
@@ -363,6 +371,9 @@ def _restore_locked(
         if choice is not None:
             state["bundle"] = {"sha256": bundle_sha, "variant": choice.variant.name}
         (tree / STATE_NAME).write_text(json.dumps(state))
+        for link in lock_links(manifest.world_size):
+            (tree / link).parent.mkdir(parents=True, exist_ok=True)
+            (tree / link).symlink_to(LOCKS_TARGET)
         check_stage(tree, dest, manifest)
         swap(tree, dest)
     except OSError as exc:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from enum import Enum
 from pathlib import Path
 
 import typer
@@ -12,6 +13,14 @@ from kiln.cli.output import Output, esc
 from kiln.cli.render import bucket_table, factor_table, ms, print_table, verify_failure
 from kiln.errors import KilnError, VerificationError
 from kiln.grid import Order
+
+
+class Route(str, Enum):
+    """The routes ``kiln verify --route`` serves (kiln.compiler.verify.ROUTES, or both)."""
+
+    BOTH = "both"
+    PLAIN = "plain"
+    ACTIVATE = "activate"
 
 
 def _reported(exc: KilnError) -> KilnError:
@@ -54,11 +63,18 @@ def verify_cmd(
     seed: int = typer.Option(0, "--seed", help="Seed for --order shuffle."),
     ready_file: Path = typer.Option(None, "--ready-file", help="Written only on success (probes)."),
     device_index: int = DEVICE_INDEX,
+    route: Route = typer.Option(
+        Route.BOTH,
+        "--route",
+        help="Serve as plain torch.compile after `. kiln.env` (plain), through "
+        "kiln.activate() (activate), or both, each in its own fresh process.",
+    ),
     json_: bool = JSON,
     quiet: bool = QUIET,
 ) -> None:
-    """Run the grid in a fresh process against CACHE; exit 6 if anything compiled."""
-    from kiln.compiler.verify import verify
+    """Serve the grid from CACHE as the first process after a restore; exit 6 if anything
+    compiled, tuned, built or wrote (CACHE itself is never written)."""
+    from kiln.compiler.verify import ROUTES, verify
 
     o = Output(json_, quiet)
     with o.progress() as sink:
@@ -69,11 +85,12 @@ def verify_cmd(
             seed=seed,
             device_index=device_index or 0,
             ready_file=ready_file,
+            routes=ROUTES if route is Route.BOTH else (route.value,),
             on_event=sink,
         )
 
     def human(c: Console) -> None:
-        title = f"verify {report.name} ({order.value} order)"
+        title = f"verify {report.name} ({order.value} order, {' and '.join(report.routes)})"
         print_table(c, bucket_table(report.buckets, title, verify=True))
         c.print(f"ready in {ms(report.time_to_ready_s)} (process start → every bucket ran once)")
         if report.extra.get("precompile_load_s") is not None:

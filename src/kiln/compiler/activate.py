@@ -4,8 +4,11 @@ The no-code route is ``kiln.env`` (source it, or set its variables in the pod sp
 is for servers that prefer code: it sets the same environment, also pushes the values into torch's
 config objects when torch was imported already (some are read only at import), raises Dynamo's
 recompile limit to fit the baked grid (past the default of 8 shapes torch silently falls back to
-eager), checks compatibility, hot-loads the Mega-Cache blob where this torch has it, and imports
-Inductor and starts its compile worker pool (:func:`prepare_inductor`).
+eager), checks compatibility, and imports Inductor (:func:`prepare_inductor`). A served
+process loads every kernel in-process (:data:`kiln.serving.SERVING_ENV` says why), so no
+compile worker pool starts. The Mega-Cache blob is hot-loaded only when asked
+(``megacache=True``): the restored folder already holds every entry it has, and loading it
+rewrites them there (on a read-only mount, it fails).
 ``Activation.compile(model)`` then compiles with exactly the baked arguments, or, when the
 artifact carries precompiled forwards, loads them so the process never traces with Dynamo.
 """
@@ -40,9 +43,10 @@ log = logging.getLogger("kiln")
 Compat = Literal["fail", "warn", "ignore"]
 
 # Env vars torch reads into config objects at import time: set them on the config too.
-_CONFIG_BACKED = {
-    "TORCH_COMPILE_JOB_ID": ("torch.compiler.config", "job_id"),
-    "TORCH_COMPILE_CACHE_KEY_TAG": ("torch.compiler.config", "cache_key_tag"),
+_CONFIG_BACKED: dict[str, tuple[str, str, type]] = {
+    "TORCH_COMPILE_JOB_ID": ("torch.compiler.config", "job_id", str),
+    "TORCH_COMPILE_CACHE_KEY_TAG": ("torch.compiler.config", "cache_key_tag", str),
+    "TORCHINDUCTOR_COMPILE_THREADS": ("torch._inductor.config", "compile_threads", int),
 }
 
 
@@ -116,7 +120,7 @@ def activate(
     cache: str | Path,
     *,
     compat: Compat = "warn",
-    megacache: bool = True,
+    megacache: bool = False,
     device_index: int | None = None,
     rank: int | None = None,
 ) -> Activation:
@@ -152,9 +156,9 @@ def activate(
 
         if counters["frames"]["total"]:
             notes.append("activate() ran after torch.compile had already compiled frames")
-        for var, (module, attr) in _CONFIG_BACKED.items():
-            if var in env:
-                setattr(sys.modules[module], attr, env[var])
+        for var, (module, attr, kind) in _CONFIG_BACKED.items():
+            if var in env and module in sys.modules:
+                setattr(sys.modules[module], attr, kind(env[var]))
     grid = len(manifest.grid)
     limit = max(torch._dynamo.config.recompile_limit, 2 * grid + 2)
     torch._dynamo.config.recompile_limit = limit

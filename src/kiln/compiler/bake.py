@@ -44,7 +44,7 @@ from kiln.artifact.manifest import (
     ShardInfo,
 )
 from kiln.compiler import inlaunch, ranks
-from kiln.compiler.capture import capture, capture_bytecode, payload_sha256
+from kiln.compiler.capture import capture, capture_tree, payload_sha256
 from kiln.compiler.dynamo_log import merge_breaks
 from kiln.compiler.launch import WorkerRun, run_worker
 from kiln.compiler.protocol import WorkerRequest, input_stream
@@ -58,6 +58,7 @@ from kiln.serving import (
     MEGACACHE_NAME,
     PRECOMPILED_NAME,
     RANKS_DIR,
+    TRITON_HOME_DIR,
     cold_torch_kwargs,
     compile_env,
     rank_dir,
@@ -174,14 +175,12 @@ def _capture(spec: Spec, work: Path) -> tuple[list[FileEntry], ranks.Stored | No
     """The files of ``work``'s layout; for K ranks, each rank's under ``ranks/R/``, stored once
     where ranks share them (:func:`kiln.compiler.ranks.store_once`; the rest are copies)."""
     if spec.distributed is None:
-        files = capture(work / INDUCTOR_DIR, work / MEGACACHE_NAME, work / PRECOMPILED_NAME)
-        files += capture_bytecode(work / BYTECODE_DIR)  # the ranks' bakes ship none
+        files = capture(work) + capture_tree(work / BYTECODE_DIR, BYTECODE_DIR)  # ranks ship none
         return sorted(files, key=lambda e: e.path), None
     by_rank = []
     for rank in range(spec.world_size):
-        folder = rank_dir(work, rank)
         prefix = f"{RANKS_DIR}/{rank}/"
-        entries = capture(folder / INDUCTOR_DIR, folder / MEGACACHE_NAME, folder / PRECOMPILED_NAME)
+        entries = capture(rank_dir(work, rank))
         by_rank.append([e.model_copy(update={"path": prefix + e.path}) for e in entries])
     stored = ranks.store_once(by_rank)
     return stored.files, stored
@@ -288,8 +287,9 @@ class _Baker:
         self.env = {
             **compile_env(self.spec),
             "TORCHINDUCTOR_CACHE_DIR": str(self.root),
-            # Triton's own default (~/.triton) is outside the root: keep it private too.
-            "TRITON_HOME": str(self.work / "triton-home"),
+            # Triton's own default (~/.triton) is outside the root: keep it private too, and
+            # ship it (kiln.serving.TRITON_HOME_DIR says why).
+            "TRITON_HOME": str(self.work / TRITON_HOME_DIR),
         }
         route = self.spec.compile.precompile_route
         precompile = self.work / PRECOMPILED_NAME if route == "aot" else None
@@ -409,7 +409,7 @@ class _Baker:
 
     def _serve_packed(self, manifest: Manifest, attempt: int) -> tuple[VerifyReport, float]:
         from kiln.artifact.restore import restore
-        from kiln.compiler.verify import verify
+        from kiln.compiler.verify import proof_routes, verify
 
         self.emit(Proving(attempt=attempt))
         t0 = time.time()
@@ -421,7 +421,13 @@ class _Baker:
             seed = self._new_order_seed(PROOF_SEED + 100 * attempt)
             keys = [b.key for b in self.buckets]  # a shard proves its own slice
             report = verify(
-                self.spec, proof_dir, order="shuffle", seed=seed, keys=keys, on_event=self.emit
+                self.spec,
+                proof_dir,
+                order="shuffle",
+                seed=seed,
+                keys=keys,
+                routes=proof_routes(manifest),
+                on_event=self.emit,
             )
         finally:
             staged.unlink(missing_ok=True)

@@ -18,7 +18,14 @@ from kiln.artifact.payload import MEASURED_KINDS as MEASURED_KINDS
 from kiln.artifact.payload import payload_diff as payload_diff
 from kiln.artifact.payload import payload_lines as payload_lines
 from kiln.artifact.payload import payload_sha256 as payload_sha256
-from kiln.serving import BYTECODE_DIR, FRAMES_DIR, INDUCTOR_DIR, MEGACACHE_NAME, PRECOMPILED_NAME
+from kiln.serving import (
+    BYTECODE_DIR,
+    FRAMES_DIR,
+    INDUCTOR_DIR,
+    MEGACACHE_NAME,
+    PRECOMPILED_NAME,
+    TRITON_HOME_DIR,
+)
 
 _SKIP_DIRS = frozenset({"locks", "__pycache__"})
 _TOP_KINDS = {
@@ -52,6 +59,8 @@ def classify(rel: str) -> str:
         return "precompile"
     if parts[0] == BYTECODE_DIR:
         return "bytecode"
+    if parts[0] == TRITON_HOME_DIR:
+        return "triton"
     if len(parts) >= 2 and parts[0] == INDUCTOR_DIR:
         top = parts[1]
         if top in _TOP_KINDS:
@@ -60,17 +69,21 @@ def classify(rel: str) -> str:
     return "other"
 
 
-def capture(cache_root: Path, *blobs: Path) -> list[FileEntry]:
-    """File entries for ``cache_root`` (stored under ``inductor/``) and the blobs that exist
-    (the Mega-Cache blob, the precompiled forwards), stored at the artifact root by name."""
-    entries = _tree(cache_root, INDUCTOR_DIR)
+def capture(layout: Path) -> list[FileEntry]:
+    """File entries for one compiling process's layout: its cache root (``inductor/``), the
+    native helpers Triton built outside it (``triton-home/``, see
+    :data:`~kiln.serving.TRITON_HOME_DIR`), and the blobs that exist (the Mega-Cache blob, the
+    precompiled forwards), stored at the artifact root by name."""
+    entries = _tree(layout / INDUCTOR_DIR, INDUCTOR_DIR)
+    entries += capture_tree(layout / TRITON_HOME_DIR, TRITON_HOME_DIR)
+    blobs = (layout / MEGACACHE_NAME, layout / PRECOMPILED_NAME)
     entries.extend(_entry(blob, blob.name) for blob in blobs if blob.is_file())
     return sorted(entries, key=lambda e: e.path)
 
 
-def capture_bytecode(folder: Path) -> list[FileEntry]:
-    """File entries for a bake's bytecode tree (kiln.bytecode), stored under ``bytecode/``."""
-    return _tree(folder, BYTECODE_DIR) if folder.is_dir() else []
+def capture_tree(folder: Path, stored_as: str) -> list[FileEntry]:
+    """File entries for ``folder`` (when it exists), stored under ``stored_as/``."""
+    return _tree(folder, stored_as) if folder.is_dir() else []
 
 
 def _tree(root: Path, stored_as: str) -> list[FileEntry]:
@@ -135,7 +148,3 @@ def compare(a: Manifest, b: Manifest) -> list[str]:
     if passes_a != passes_b:
         out.append(f"passes (order, compiles) differ: {passes_a} vs {passes_b}")
     return out + payload_diff(a.files, b.files)
-
-
-NATIVE_SUFFIXES = (".so", ".cubin", ".hsaco")
-AUTOTUNE_SUFFIXES = (".best_config",)

@@ -16,9 +16,15 @@ from dataclasses import dataclass
 from typing import Any
 
 from kiln.artifact.manifest import MAX_FRAMES, NEW_FILES_SAMPLE, CompileCounts
-from kiln.compiler.capture import AUTOTUNE_SUFFIXES, NATIVE_SUFFIXES
+from kiln.compiler.writes import KERNEL, LAUNCHER, OTHER, TUNING, kind_of
 
-_COMPILED_SUFFIXES = (*NATIVE_SUFFIXES, *AUTOTUNE_SUFFIXES)
+# Inductor's run-time tuning steps (``dynamo_timed`` names): each run is one kernel benchmarked
+# in this process. Read from ``compilation_time_metrics``, which an FX cache hit never adds to,
+# unlike the inductor counters (a hit replays the counts its compile recorded).
+_TUNING_STEPS = (
+    "CachingAutotuner.benchmark_all_configs",
+    "CachingAutotuner.combo_sequential_autotune",
+)
 
 # torch's counter group and name for each field (torch._dynamo.utils.counters[group][name]).
 _SOURCES: dict[str, tuple[str, str]] = {
@@ -51,6 +57,7 @@ class CompileCounters:
     bundled_kernels: int = 0
     gemm_autotunes: int = 0
     coordesc_benchmarks: int = 0
+    kernel_tunings: int = 0
     unique_graphs: int = 0
     graph_breaks: int = 0
     compile_s: float = 0.0  # Dynamo's compile_inner time: tracing plus everything below it
@@ -69,6 +76,9 @@ class CompileCounters:
         }
         values["graph_breaks"] = sum(counters.get("graph_break", {}).values())
         values["compile_s"] = float(sum(compilation_time_metrics.get("_compile.compile_inner", [])))
+        values["kernel_tunings"] = sum(
+            len(compilation_time_metrics.get(k, [])) for k in _TUNING_STEPS
+        )
         return cls(**values)
 
     def __sub__(self, other: CompileCounters) -> CompileCounters:
@@ -89,13 +99,18 @@ def compile_counts(
     diff: CompileCounters,
     new_files: Collection[str],
     *,
+    served: bool = False,
     recompile_reasons: Sequence[str] = (),
     precompile_misses: int = 0,
     frames: Sequence[str] = (),
 ) -> CompileCounts:
-    """From a counter difference and the names of the files the step added to the cache."""
-    native = sum(1 for n in new_files if n.endswith(NATIVE_SUFFIXES))
-    tuned = sum(1 for n in new_files if n.endswith(AUTOTUNE_SUFFIXES))
+    """From a counter difference and the files the step wrote: new files in the cache root
+    (a bake pass), or, ``served``, everything a served process wrote where it must not
+    (:mod:`kiln.compiler.writes`), each of which is a miss."""
+    kinds = {KERNEL: 0, LAUNCHER: 0, TUNING: 0, OTHER: 0}
+    for name in new_files:
+        kinds[kind_of(name)] += 1
+    native, tuned = kinds[KERNEL], kinds[TUNING]
     return CompileCounts(
         compile_s=diff.compile_s,
         fx_hits=diff.fx_hits,
@@ -114,10 +129,13 @@ def compile_counts(
         autotunes=(diff.gemm_autotunes if diff.graphs_compiled else 0)
         + diff.coordesc_benchmarks
         + tuned,
+        kernel_tunings=diff.kernel_tunings,
+        launchers=kinds[LAUNCHER],
+        written=kinds[OTHER] if served else 0,
         unique_graphs=diff.unique_graphs,
         graph_breaks=diff.graph_breaks,
         precompile_misses=precompile_misses,
         recompile_reasons=list(recompile_reasons),
         frames=list(frames)[:MAX_FRAMES],
-        new_files=sorted(n for n in new_files if n.endswith(_COMPILED_SUFFIXES))[:NEW_FILES_SAMPLE],
+        new_files=sorted(n for n in new_files if served or kind_of(n) != OTHER)[:NEW_FILES_SAMPLE],
     )

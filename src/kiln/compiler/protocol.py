@@ -59,6 +59,15 @@ class WorkerRequest(_Message):
     bytecode: str | None = Field(
         None, description="a restored bytecode tree to import from (kiln.bytecode.use)"
     )
+    route: Literal["plain", "activate"] | None = Field(
+        None,
+        description="serve a restored folder (cache_root's parent) as a user does: plain "
+        "torch.compile on kiln.env's environment, or kiln.activate(); None: a bake or bench pass",
+    )
+    watch: dict[str, str] = Field(
+        default_factory=dict,
+        description="label -> folder a served process must not write to (kiln.compiler.writes)",
+    )
     device_index: int = Field(0, ge=0)
     input_seed: int = Field(
         0, ge=0, le=2**40, description="offset of every input seed (verify serves unseen data)"

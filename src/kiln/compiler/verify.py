@@ -1,41 +1,56 @@
 """Verify: prove, in a fresh process, that a restored cache hits for the whole grid.
 
-Serving teams need a readiness gate, not a hope: verify runs every bucket against the restored
-folder in a new interpreter (as a pod would start), in a shuffled order (as traffic arrives),
-counts every kind of compile (FX/AOT misses, Triton kernels, new native objects), calls each
-bucket enough times that CUDA graphs are recorded, and fails (exit 6) naming the bucket and
-torch's own reason if anything compiled. ``--ready-file`` is written only on success.
+Serving teams need a readiness gate, not a hope: verify serves every bucket from the restored
+folder the way the pod will, as the first process after the restore, in a shuffled order (as
+traffic arrives), calling each bucket enough times that CUDA graphs are recorded. It runs the
+documented routes as written (:data:`ROUTES`): a fresh interpreter on ``kiln.env``'s
+environment calling plain ``torch.compile`` with no kiln code before it, and one calling
+``kiln.activate()``. Each serves a private copy of the folder with an empty ``HOME`` and
+``TMPDIR``, as a new pod has, so the folder stays exactly as found (a failed verify stays
+failed) and everything the process compiled, tuned, built or wrote is seen: FX/AOT misses,
+Triton kernels, launchers built with gcc, kernels benchmarked, files written
+(:mod:`kiln.compiler.writes`). Anything is exit 6, one line per bucket naming what and why;
+a folder changed since restore is named too. ``--ready-file`` is written only on success.
 """
 
 from __future__ import annotations
 
 import json
+import shutil
+import tempfile
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path, PurePosixPath
 from typing import Any
 
-from kiln.artifact.archive import read_manifest
+from kiln.artifact.archive import read_manifest, sha256_file
 from kiln.artifact.manifest import BucketStats, GraphBreak, Manifest
 from kiln.compiler.check import CheckReport, compare_manifest
 from kiln.compiler.dynamo_log import RESUME_FRAME
-from kiln.compiler.launch import run_worker
+from kiln.compiler.launch import WorkerRun, run_worker
 from kiln.compiler.protocol import WorkerRequest, input_stream
-from kiln.errors import IncompatibleError, NotFoundError
+from kiln.errors import IncompatibleError, NotFoundError, UsageError
 from kiln.events import EventSink
 from kiln.files import atomic_write
 from kiln.grid import expand, ordered
 from kiln.serving import (
     BYTECODE_DIR,
+    ENV_NAME,
     INDUCTOR_DIR,
+    MANIFEST_NAME,
     PRECOMPILED_NAME,
+    STATE_NAME,
     cache_env,
+    lock_links,
     rank_dir,
     served_torch_kwargs,
 )
 from kiln.spec import Spec, load_spec
 
 _VERIFY_STREAMS = 100  # input streams below this are the bake's passes
+# The routes a server takes to a restored folder: plain torch.compile after `. kiln.env`, and
+# kiln.activate(DIR).compile(model).
+ROUTES = ("plain", "activate")
 
 
 @dataclass
@@ -49,6 +64,9 @@ class VerifyReport:
     spec_matches: bool
     graph_breaks: list[GraphBreak] = field(default_factory=list)  # what the bake saw
     extra: dict[str, Any] = field(default_factory=dict)
+    routes: list[str] = field(default_factory=lambda: ["plain"])
+    # How the folder differs from what restore installed (files added, removed, changed).
+    folder_changes: list[str] = field(default_factory=list)
 
     @property
     def failing(self) -> list[BucketStats]:
@@ -56,11 +74,12 @@ class VerifyReport:
 
     @property
     def ok(self) -> bool:
-        return not self.failing
+        return not self.failing and not self.folder_changes
 
     def reasons(self) -> list[str]:
         factors = ", ".join(f.name for f in self.check.misses) if self.check else ""
-        return [explain(b, factors, self.graph_breaks) for b in self.failing]
+        changed = [changed_line(self.folder_changes)] if self.folder_changes else []
+        return changed + [explain(b, factors, self.graph_breaks) for b in self.failing]
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -70,6 +89,8 @@ class VerifyReport:
             "spec_matches": self.spec_matches,
             "time_to_ready_s": round(self.time_to_ready_s, 3),
             "time_to_warm_s": round(self.time_to_warm_s, 3),
+            "routes": self.routes,
+            "folder_changes": self.folder_changes,
             "compiles": sum(b.compiles for b in self.buckets),
             "failing": self.reasons(),
             "buckets": [b.model_dump(mode="json") | {"compiles": b.compiles} for b in self.buckets],
@@ -94,7 +115,10 @@ def explain(bucket: BucketStats, factors: str = "", breaks: Sequence[GraphBreak]
         (b.aot_misses, "AOT graph", "AOT graphs"),
         (b.precompile_misses, "precompiled miss", "precompiled misses"),
         (b.new_native, "kernel binary", "kernel binaries"),
+        (b.launchers, "native helper built with gcc", "native helpers built with gcc"),
         (b.autotunes, "autotune run", "autotune runs"),
+        (b.kernel_tunings, "kernel's configs benchmarked", "kernels' configs benchmarked"),
+        (b.written, "file written", "files written"),
     )
     what = ", ".join(f"{n} {one if n == 1 else many}" for n, one, many in counts if n)
     seam = data_dependent_break(b, breaks) if graphs and not factors else None
@@ -109,11 +133,41 @@ def explain(bucket: BucketStats, factors: str = "", breaks: Sequence[GraphBreak]
         if why and not factors:
             hint += f"; Dynamo traced it because {why}"
     else:
-        kernels = sorted({PurePosixPath(n).stem for n in b.new_files})[:3]
-        hint = "every graph hit; Triton rebuilt or re-tuned kernels" + (
-            f": {', '.join(kernels)}" if kernels else ""
+        names = sorted({PurePosixPath(n).name for n in b.new_files})[:3]
+        hint = "every graph hit; the process built, tuned or wrote" + (
+            f": {', '.join(names)}" if names else " at run time"
         )
     return f"{b.key}: {b.compiles} compile(s): {what} ({hint})"
+
+
+def changed_line(changes: Sequence[str]) -> str:
+    """One line on a restored folder that is no longer what restore installed."""
+    return (
+        f"the folder changed since it was restored ({len(changes)} file(s), e.g. "
+        f"{', '.join(changes[:3])}): a process wrote into it; restore it again"
+    )
+
+
+def folder_changes(cache: Path, manifest: Manifest) -> list[str]:
+    """How ``cache`` differs from what restore installed, by content: ``+name`` (added),
+    ``-name`` (removed), ``~name`` (changed). kiln's own files and links are not the artifact's."""
+    listed = {e.path: e.sha256 for e in manifest.entries()}
+    own = {MANIFEST_NAME, ENV_NAME, STATE_NAME, *lock_links(manifest.world_size)}
+    found: set[str] = set()
+    out: list[str] = []
+    for path in sorted(cache.rglob("*")):
+        rel = path.relative_to(cache).as_posix()
+        if rel in own or any(rel.startswith(f"{link}/") for link in own):
+            continue
+        if path.is_symlink() or not path.is_file():
+            continue
+        found.add(rel)
+        if rel not in listed:
+            out.append(f"+{rel}")
+        elif sha256_file(path) != listed[rel]:
+            out.append(f"~{rel}")
+    out += [f"-{rel}" for rel in sorted(set(listed) - found)]
+    return out
 
 
 def data_dependent_break(bucket: BucketStats, breaks: Sequence[GraphBreak]) -> GraphBreak | None:
@@ -135,12 +189,25 @@ def data_dependent_break(bucket: BucketStats, breaks: Sequence[GraphBreak]) -> G
     return None
 
 
-def served_request(cache: Path, manifest: Manifest, order: list[str], calls: int) -> WorkerRequest:
+def served_request(
+    cache: Path, manifest: Manifest, order: list[str], calls: int, route: str | None = None
+) -> WorkerRequest:
     """A pass that serves ``order`` from the restored folder ``cache`` as a pod would (its
     environment is :func:`~kiln.serving.cache_env`), timing a fresh first request and the steady
-    latency of each bucket: verify and bench share this. For a K-rank artifact the paths are
-    the layout's names under ``cache``, which :mod:`kiln.compiler.ranks` moves into each rank's
-    folder."""
+    latency of each bucket: verify and bench share this. ``route`` (one of :data:`ROUTES`)
+    serves as that server does; None loads what the artifact carries the way bench's modes do.
+    For a K-rank artifact the paths are the layout's names under ``cache``, which
+    :mod:`kiln.compiler.ranks` moves into each rank's folder."""
+    if route is not None:
+        return WorkerRequest(
+            order=order,
+            torch_kwargs=served_torch_kwargs(manifest),
+            calls=calls,
+            steady_calls=10,
+            first_request=True,
+            cache_root=str(cache / INDUCTOR_DIR),
+            route=route,  # type: ignore[arg-type]
+        )
     precompiled = manifest.precompiled
     if precompiled and manifest.distributed:
         precompiled = PRECOMPILED_NAME  # ranks/0/precompiled.bin is rank 0's: each has its own
@@ -177,26 +244,31 @@ def verify(
     device_index: int = 0,
     ready_file: str | Path | None = None,
     keys: Sequence[str] | None = None,
+    routes: Sequence[str] = ROUTES,
     on_event: EventSink | None = None,
 ) -> VerifyReport:
-    """Run ``spec``'s grid (only the buckets ``keys`` names, when given: a shard's slice)
-    against the restored folder ``cache`` in a fresh process."""
+    """Serve ``spec``'s grid (only the buckets ``keys`` names, when given: a shard's slice)
+    from the restored folder ``cache`` on each of ``routes``, each in a fresh process that
+    serves a private copy of the folder (``cache`` itself is never written)."""
     spec = spec if isinstance(spec, Spec) else load_spec(spec)
     cache = Path(cache).absolute()
     first = rank_dir(cache, 0) if (cache / "ranks").is_dir() else cache
     if not (first / INDUCTOR_DIR).is_dir():
         raise NotFoundError(f"{cache}: no {INDUCTOR_DIR}/ folder (restore an artifact there first)")
+    unknown = [r for r in routes if r not in ROUTES]
+    if unknown or not routes:
+        raise UsageError(f"routes: {unknown or 'none'} (choose from {', '.join(ROUTES)})")
     manifest = read_manifest(cache)
     check_world_size(spec, manifest)
     grid = [b for b in expand(spec) if keys is None or b.key in keys]
     order_keys = [b.key for b in ordered(grid, order, seed)]
-    request = served_request(cache, manifest, order_keys, spec.warmup.calls).replace(
-        fingerprint=True,
-        device_index=device_index,
-        # Data the bake never drew, as traffic's is: a path the bake's inputs missed shows here.
-        input_seed=input_stream(_VERIFY_STREAMS + seed),
-    )
-    run = run_worker(spec, request, cache_env(cache, manifest.env), on_event=on_event)
+    changes = folder_changes(cache, manifest)
+    runs = [
+        (route, serve_copy(spec, cache, manifest, order_keys, route, device_index, seed, on_event))
+        for route in routes
+    ]
+    # The route the artifact is made for leads the timings.
+    lead = next((run for route, run in runs if route == made_for(manifest)), runs[0][1])
     checks = [
         compare_manifest(
             manifest,
@@ -204,32 +276,79 @@ def verify(
             rank=rank if manifest.distributed else None,
             world_size=spec.world_size if manifest.distributed else None,
         )
-        for rank, result in enumerate(run.results)
+        for rank, result in enumerate(lead.results)
         if result.fingerprint
     ]
+    buckets = []
+    for route, run in runs:
+        for b in rank_buckets(run.results, labelled=manifest.distributed is not None):
+            # A re-trace that hit the cache is how a fresh process works: no reason to show.
+            b = b if b.compiles else b.model_copy(update={"recompile_reasons": []})
+            buckets.append(
+                b.model_copy(update={"key": f"{route} · {b.key}"}) if len(runs) > 1 else b
+            )
     report = VerifyReport(
         name=manifest.name,
         order=order_keys,
-        # A re-trace that hit the cache is how a fresh process works: no reason to show.
-        buckets=[
-            b if b.compiles else b.model_copy(update={"recompile_reasons": []})
-            for b in rank_buckets(run.results, labelled=manifest.distributed is not None)
-        ],
+        buckets=buckets,
         # The first rank whose environment differs names the factor, else rank 0's.
         check=next((c for c in checks if not c.ok), checks[0]) if checks else None,
-        time_to_ready_s=run.time_to_ready,
-        time_to_warm_s=run.time_to_warm,
+        time_to_ready_s=lead.time_to_ready,
+        time_to_warm_s=lead.time_to_warm,
         spec_matches=spec.sha256() == manifest.spec_sha256,
         graph_breaks=manifest.graph_breaks,
         extra={
-            "precompile_load_s": run.result.precompile_load_s,
+            "precompile_load_s": lead.result.precompile_load_s,
             "ranks": spec.world_size,
-            "bytecode_modules": run.result.bytecode_modules,  # imported from the artifact's
+            "bytecode_modules": lead.result.bytecode_modules,  # imported from the artifact's
         },
+        routes=list(routes),
+        folder_changes=changes,
     )
     if ready_file is not None:
         _mark_ready(Path(ready_file), report)
     return report
+
+
+def made_for(manifest: Manifest) -> str:
+    """The route an artifact is made for: ``kiln.activate()`` loads precompiled graphs or saved
+    frames, which plain ``torch.compile`` never uses; a folder of caches serves both alike."""
+    return "activate" if manifest.precompiled or manifest.precompiled_frames else "plain"
+
+
+def proof_routes(manifest: Manifest) -> tuple[str, ...]:
+    """What the bake's proof serves: both routes where they load different things, else the
+    plain one (``kiln.activate()`` then adds only environment and imports to it)."""
+    return ROUTES if made_for(manifest) == "activate" else ("plain",)
+
+
+def serve_copy(
+    spec: Spec,
+    cache: Path,
+    manifest: Manifest,
+    order: list[str],
+    route: str,
+    device_index: int,
+    seed: int,
+    on_event: EventSink | None,
+) -> WorkerRun:
+    """One fresh process serving ``order`` on ``route`` from a private copy of ``cache``,
+    with an empty ``HOME`` and ``TMPDIR``: what it writes anywhere there is counted, and the
+    restored folder stays as found."""
+    with tempfile.TemporaryDirectory(prefix="kiln-serve-") as tmp:
+        served, home, temp = Path(tmp, "dest"), Path(tmp, "home"), Path(tmp, "tmp")
+        shutil.copytree(cache, served, symlinks=True)
+        home.mkdir()
+        temp.mkdir()
+        request = served_request(served, manifest, order, spec.warmup.calls, route).replace(
+            fingerprint=True,
+            device_index=device_index,
+            # Data the bake never drew, as traffic's is: a path the bake's inputs missed shows.
+            input_seed=input_stream(_VERIFY_STREAMS + seed),
+            watch={"DIR": str(served), "HOME": str(home), "TMPDIR": str(temp)},
+        )
+        env = cache_env(served, manifest.env) | {"HOME": str(home), "TMPDIR": str(temp)}
+        return run_worker(spec, request, env, on_event=on_event)
 
 
 def rank_buckets(results: Any, *, labelled: bool) -> list[BucketStats]:

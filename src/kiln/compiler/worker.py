@@ -47,11 +47,14 @@ from kiln.compiler.protocol import (
     WorkerRequest,
     WorkerResult,
 )
+from kiln.compiler.writes import Snapshot, Watch
 from kiln.events import BucketDone, BucketStarted, FirstPassDone, WorkerEvent, WorkerStarted
 from kiln.grid import Bucket, expand
+from kiln.serving import RANKS_DIR
 from kiln.spec import Spec, load_spec
 
 if TYPE_CHECKING:
+    from kiln.compiler.activate import Activation
     from kiln.compiler.precompile import PrecompiledForward
 
 _START = time.time()
@@ -261,9 +264,12 @@ def run(request: WorkerRequest) -> WorkerResult:
     """One grid pass as ``request`` asks: the model built, then every bucket's first call, then
     its warm calls, each bucket measured; then the caches saved and the environment recorded."""
     clock = _Phases()
+    watch = _watch(request)
+    started = watch.snapshot() if watch else None  # before torch: its import may write too
+    activation = _activate(request)  # a server calling kiln.activate() does so first
     import torch
 
-    torch_import_s = clock.mark("import torch")
+    torch_import_s = clock.mark("kiln.activate()" if activation else "import torch")
     spec = load_spec(request.spec_path)
     device = _setup_device(spec, request.device_index)
     joined = _join(spec, device)
@@ -273,12 +279,12 @@ def run(request: WorkerRequest) -> WorkerResult:
     buckets = {b.key: b for b in expand(spec)}
     compiling = request.torch_kwargs is not None
     dynamo = _watch_dynamo(len(buckets), compiling=compiling)
-    if compiling:
+    if compiling and request.route is None:  # a served route does what its server does
         prepare_inductor(request.torch_kwargs or {})
         clock.mark("Inductor import + worker pool start")
     model = _build_model(spec, device)
     clock.mark("model build")
-    forward = _forward(request, spec, model, _synchronizer(device))
+    forward = _forward(request, spec, model, _synchronizer(device), activation)
     clock.mark("precompiled load" if request.precompile_load else "compile set-up")
     model_ready = time.time()
     _emit(WorkerStarted(buckets=len(request.order), torch_import_s=torch_import_s))
@@ -287,7 +293,7 @@ def run(request: WorkerRequest) -> WorkerResult:
         device=device,
         seeds={key: request.input_seed + i * _SEED_STRIDE for i, key in enumerate(buckets)},
         forward=forward,
-        meter=_Meter(request.cache_root, dynamo, forward),
+        meter=_Meter(request.cache_root, dynamo, forward, watch, started),
     )
     order = [buckets[k] for k in request.order]
     with torch.inference_mode():
@@ -468,11 +474,20 @@ class _Forward:
         return self.precompiled.misses if self.precompiled is not None else 0
 
 
-def _forward(request: WorkerRequest, spec: Spec, model: Any, sync: Callable[[], None]) -> _Forward:
+def _forward(
+    request: WorkerRequest,
+    spec: Spec,
+    model: Any,
+    sync: Callable[[], None],
+    activation: Activation | None = None,
+) -> _Forward:
     """Compile ``model`` with exactly ``request.torch_kwargs`` (None: eager), or build or load
-    precompiled forwards with them. Synchronizes first: start-up includes moving the weights."""
+    precompiled forwards with them, or (the activate route) as ``activation.compile`` does.
+    Synchronizes first: start-up includes moving the weights."""
     sync()
     call_kwargs = dict(spec.model.call_kwargs)
+    if activation is not None:
+        return _activated(activation, model, call_kwargs, sync)
     kwargs = request.torch_kwargs
     if request.precompile_save or request.precompile_load:
         assert kwargs is not None  # WorkerRequest's own rule
@@ -492,6 +507,51 @@ def _forward(request: WorkerRequest, spec: Spec, model: Any, sync: Callable[[], 
         key = "compile.backend" if "backend" in str(exc).lower() else "compile.options"
         message = _one_line(exc).split(", known options are")[0]
         raise _SpecProblem(key, f"torch.compile refused it: {message}") from exc
+
+
+def _activated(
+    activation: Activation, model: Any, call_kwargs: dict[str, Any], sync: Callable[[], None]
+) -> _Forward:
+    """The activate route: what ``activation.compile(model)`` returns, timed and counted (a
+    precompiled forward counts its misses; served frames count a traced frame as one)."""
+    from kiln.compiler.precompile import PrecompiledForward
+
+    t0 = time.time()
+    fn = activation.compile(model)
+    fell_back = bool(activation.warnings)  # precompiled forwards or frames refused: traced
+    precompiled = fn if isinstance(fn, PrecompiledForward) else None
+    frames_served = activation.manifest.precompiled_frames is not None and not fell_back
+    load_s = time.time() - t0 if precompiled is not None else None
+    return _Forward(fn, call_kwargs, sync, precompiled, False, load_s, frames_served)
+
+
+def _activate(request: WorkerRequest) -> Activation | None:
+    """``kiln.activate()`` on the served folder, first thing, as a server on that route does."""
+    if request.route != "activate":
+        return None
+    assert request.cache_root is not None
+    from kiln.compiler.activate import activate
+
+    folder = Path(request.cache_root).parent
+    if folder.parent.name == RANKS_DIR:  # a rank's own folder: activate the artifact's
+        folder = folder.parent.parent
+    return activate(folder, compat="ignore", device_index=request.device_index)
+
+
+def _watch(request: WorkerRequest) -> Watch | None:
+    """The folders this served process must leave as they are, with what was shipped in the
+    first (the served folder: its manifest lists the sha256 of every file restore installed)."""
+    if not request.watch:
+        return None
+    folders = {label: Path(folder) for label, folder in request.watch.items()}
+    label, served = next(iter(folders.items()))
+    shipped: dict[str, str] = {}
+    with contextlib.suppress(OSError, ValueError):
+        from kiln.artifact.archive import read_manifest
+
+        for entry in read_manifest(served).entries():
+            shipped[f"{label}/{entry.path}"] = entry.sha256
+    return Watch(folders, shipped)
 
 
 def _framed(request: WorkerRequest, model: Any, kwargs: dict[str, Any]) -> Any:
@@ -535,18 +595,40 @@ class _Meter:
     (recompiles, graph breaks, frames), the precompiled-forward misses, and the files the step
     added to the cache root."""
 
-    def __init__(self, cache_root: str | None, dynamo: DynamoLog, forward: _Forward) -> None:
+    def __init__(
+        self,
+        cache_root: str | None,
+        dynamo: DynamoLog,
+        forward: _Forward,
+        watch: Watch | None = None,
+        started: Snapshot | None = None,
+    ) -> None:
         self.root = Path(cache_root) if cache_root else None
         self.dynamo, self.forward = dynamo, forward
+        self.watch, self.started = watch, started
         self.breaks: list[GraphBreak] = []  # every bucket's, merged into the result
 
     def _files(self) -> set[str]:
         return snapshot(self.root) if self.root else set()
 
-    def measure(self, key: str, step: Callable[[], _T]) -> tuple[_T, CompileCounts]:
-        before, files = CompileCounters.read(), self._files()
-        mark, missed = self.dynamo.mark(), self.forward.misses
+    def _written(self, step: Callable[[], _T]) -> tuple[_T, list[str]]:
+        """``step``'s value and what it wrote where a served process must not (the first
+        step also owns what start-up wrote: the import, the model build, the compile call)."""
+        assert self.watch is not None
+        before = self.started or self.watch.snapshot()
+        self.started = None
         value = step()
+        return value, self.watch.written(before, self.watch.snapshot())
+
+    def measure(self, key: str, step: Callable[[], _T]) -> tuple[_T, CompileCounts]:
+        before = CompileCounters.read()
+        files = self._files() if self.watch is None else set()
+        mark, missed = self.dynamo.mark(), self.forward.misses
+        if self.watch is not None:
+            value, new_files = self._written(step)
+        else:
+            value = step()
+            new_files = sorted(self._files() - files)
         self.breaks += [
             b.model_copy(update={"buckets": [key]}) for b in self.dynamo.breaks_since(mark)
         ]
@@ -556,7 +638,8 @@ class _Meter:
             misses += len(traced)
         compiles = compile_counts(
             CompileCounters.read() - before,
-            self._files() - files,
+            new_files,
+            served=self.watch is not None,
             recompile_reasons=self.dynamo.recompiles_since(mark),
             precompile_misses=misses,
             frames=traced,

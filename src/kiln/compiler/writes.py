@@ -1,0 +1,107 @@
+"""What a served process wrote: every file added or rewritten in the folders it must not touch.
+
+A restored folder is served as found: a process that hits everything writes nothing into it (a
+read-only mount must serve), nor builds helpers into ``$HOME`` or ``$TMPDIR`` that a new pod
+would build again. So verify, bench and the bake's proof watch the served folder, the served
+process's ``HOME`` and its ``TMPDIR`` (both private and empty, as in a new pod), and every file
+that appears or changes there is compile work, named by what it is (:func:`kind_of`).
+
+Files are compared by status first (size, mtime, inode) and, where that changed for a file the
+manifest lists, by content against the manifest's sha256: a blob rewritten with the same bytes
+is no change. Torch-free.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path, PurePosixPath
+
+from kiln.artifact.archive import sha256_file
+
+Stat = tuple[int, int, int]  # size, mtime_ns, inode
+
+# Kinds of written file, and how a bucket's line words them (one, many).
+LAUNCHER = "launcher"  # a native helper Triton or Inductor builds with gcc at run time
+KERNEL = "kernel"  # a compiled kernel binary (C++ .so, Triton .cubin)
+TUNING = "tuning"  # a kernel's tuning result (.best_config)
+OTHER = "other"  # anything else: generated code, cache entries, locks
+_LAUNCHER_MARKS = ("__triton_launcher", "cuda_utils", "hip_utils")
+
+
+def kind_of(name: str) -> str:
+    """What a written file is, from its name."""
+    base = PurePosixPath(name).name
+    if base.endswith(".gch") or (base.endswith(".so") and base.startswith(_LAUNCHER_MARKS)):
+        return LAUNCHER
+    if base.endswith((".so", ".cubin", ".hsaco")):
+        return KERNEL
+    if base.endswith(".best_config"):
+        return TUNING
+    return OTHER
+
+
+@dataclass(frozen=True)
+class Snapshot:
+    """Every file under some labelled folders, by ``label/relative name``, with its status."""
+
+    files: Mapping[str, Stat]
+
+    @classmethod
+    def of(cls, folders: Mapping[str, Path]) -> Snapshot:
+        out: dict[str, Stat] = {}
+        for label, root in folders.items():
+            for dirpath, _dirs, names in os.walk(root):
+                for name in names:
+                    path = Path(dirpath, name)
+                    try:
+                        st = path.lstat()
+                    except OSError:  # removed while walking
+                        continue
+                    rel = path.relative_to(root).as_posix()
+                    out[f"{label}/{rel}"] = (st.st_size, st.st_mtime_ns, st.st_ino)
+        return cls(out)
+
+
+@dataclass(frozen=True)
+class Watch:
+    """The folders a served process must leave alone, and what the served one shipped.
+
+    ``folders`` maps a label to a folder; ``shipped`` maps ``label/name`` to the sha256 the
+    manifest lists for it (files restore installed), so a rewrite is judged by content.
+    """
+
+    folders: Mapping[str, Path]
+    shipped: Mapping[str, str]
+
+    def snapshot(self) -> Snapshot:
+        return Snapshot.of(self.folders)
+
+    def written(self, before: Snapshot, after: Snapshot) -> list[str]:
+        """Files added, or changed in content, between two snapshots (sorted)."""
+        out = []
+        for name, stat in after.files.items():
+            old = before.files.get(name)
+            if old == stat:
+                continue
+            if old is not None and name in self.shipped and self._same(name, self.shipped[name]):
+                continue
+            out.append(name)
+        return sorted(out)
+
+    def _same(self, name: str, sha256: str) -> bool:
+        label, _, rel = name.partition("/")
+        try:
+            return sha256_file(self.folders[label] / rel) == sha256
+        except OSError:
+            return False
+
+
+def tally(written: Sequence[str]) -> dict[str, int]:
+    """How many written files of each kind (:func:`kind_of`)."""
+    out: dict[str, int] = {}
+    for name in written:
+        kind = kind_of(name)
+        out[kind] = out.get(kind, 0) + 1
+    return out

@@ -1,0 +1,160 @@
+"""The first process after a restore, served as a user serves: what it compiled, tuned, wrote.
+
+``serve_like_a_user`` restores nothing itself: it runs ``tests/user_server.py`` (plain
+``torch.compile`` after ``. DIR/kiln.env``, no kiln import) in a fresh interpreter with an
+empty ``HOME`` and ``TMPDIR`` (a new pod has both), and compares ``DIR``, ``HOME`` and
+``TMPDIR`` by content before and after. Shared by the CPU and GPU tests of issue 25.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import subprocess
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+USER_SERVER = ROOT / "tests" / "user_server.py"
+# Runtime tuning steps (compilation_time_metrics keys): each run is a kernel tuned in this process.
+TUNING_STEPS = (
+    "CachingAutotuner.benchmark_all_configs",
+    "CachingAutotuner.coordinate_descent_tuning",
+    "CachingAutotuner.combo_sequential_autotune",
+)
+
+
+def digest_tree(root: Path) -> dict[str, str]:
+    """Every file under ``root`` by relative name -> sha256 (a symlink by its target)."""
+    out: dict[str, str] = {}
+    if not root.exists():
+        return out
+    for dirpath, _dirs, files in os.walk(root):
+        for name in files:
+            path = Path(dirpath) / name
+            rel = path.relative_to(root).as_posix()
+            if path.is_symlink():
+                out[rel] = "link:" + str(path.readlink())
+            else:
+                out[rel] = hashlib.sha256(path.read_bytes()).hexdigest()
+    return out
+
+
+@dataclass
+class Changes:
+    added: list[str] = field(default_factory=list)
+    removed: list[str] = field(default_factory=list)
+    changed: list[str] = field(default_factory=list)
+
+    @classmethod
+    def between(cls, before: dict[str, str], after: dict[str, str]) -> Changes:
+        return cls(
+            added=sorted(set(after) - set(before)),
+            removed=sorted(set(before) - set(after)),
+            changed=sorted(k for k in set(before) & set(after) if before[k] != after[k]),
+        )
+
+    def __bool__(self) -> bool:
+        return bool(self.added or self.removed or self.changed)
+
+
+@dataclass
+class Served:
+    """What one user process did: per-bucket counters, and what it wrote where."""
+
+    returncode: int
+    stderr: str
+    buckets: list[dict]
+    dest: Changes
+    home: list[str]
+    tmp: list[str]
+
+    def work(self) -> dict[str, dict[str, int]]:
+        """Per bucket, every kind of compile work that is not zero."""
+        out: dict[str, dict[str, int]] = {}
+        for b in self.buckets:
+            c = b["counters"]
+            inductor, timed = c.get("inductor", {}), c.get("timed", {})
+            kinds = {
+                "fx_misses": inductor.get("fxgraph_cache_miss", 0)
+                + inductor.get("fxgraph_cache_bypass", 0),
+                "aot_misses": c.get("aot_autograd", {}).get("autograd_cache_miss", 0),
+                "kernel_tunings": sum(timed.get(k, 0) for k in TUNING_STEPS),
+                "coordesc_benchmarks": inductor.get("coordesc_tuning_bench", 0),
+            }
+            kinds = {k: v for k, v in kinds.items() if v}
+            if kinds:
+                out[b["key"]] = kinds
+        return out
+
+    def benchmarks(self) -> int:
+        """Benchmark calls (inductor counters; on an FX hit these include what the bake's
+        compile recorded, so only a compile-time-benchmark-free mode expects 0)."""
+        return sum(
+            v
+            for b in self.buckets
+            for k, v in b["counters"].get("inductor", {}).items()
+            if k.startswith("benchmarking.")
+        )
+
+    def summary(self) -> dict:
+        return {
+            "rc": self.returncode,
+            "work": self.work(),
+            "benchmarks": self.benchmarks(),
+            "dest": vars(self.dest),
+            "home": self.home,
+            "tmp": self.tmp,
+            "first_calls_s": {b["key"]: round(b["first_call_s"], 3) for b in self.buckets},
+        }
+
+
+def user_env(home: Path, tmp: Path) -> dict[str, str]:
+    """This environment as a fresh pod's: no cache locations of ours, an empty HOME and TMPDIR."""
+    env = {
+        k: v
+        for k, v in os.environ.items()
+        if not k.startswith(("TORCHINDUCTOR_", "TRITON_", "KILN_", "TORCH_COMPILE"))
+        and k not in {"PYTHONPYCACHEPREFIX"}
+    }
+    return env | {"HOME": str(home), "TMPDIR": str(tmp), "PYTHONUNBUFFERED": "1"}
+
+
+def serve_like_a_user(
+    spec: Path,
+    dest: Path,
+    work: Path,
+    *,
+    order: str = "grid",
+    seed: int = 0,
+    server: Path = USER_SERVER,
+    env: dict[str, str] | None = None,
+    timeout: float = 900,
+) -> Served:
+    """Run ``server`` as the next process on ``dest`` (``. dest/kiln.env`` first)."""
+    home, tmp = work / "home", work / "tmp"
+    home.mkdir(parents=True)
+    tmp.mkdir(parents=True)
+    out = work / "served.json"
+    before = digest_tree(dest)
+    script = '. "$1/kiln.env" && shift && exec "$@"'
+    argv = [sys.executable, str(server), str(spec), str(out), "--order", order]
+    argv += ["--seed", str(seed)]
+    proc = subprocess.run(
+        ["sh", "-c", script, "sh", str(dest), *argv],
+        env=user_env(home, tmp) | (env or {}),
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
+    buckets = json.loads(out.read_text())["buckets"] if out.exists() else []
+    return Served(
+        returncode=proc.returncode,
+        stderr=proc.stderr[-4000:],
+        buckets=buckets,
+        dest=Changes.between(before, digest_tree(dest)),
+        home=sorted(digest_tree(home)),
+        tmp=sorted(digest_tree(tmp)),
+    )

@@ -1,0 +1,134 @@
+"""The first process after a restore compiles, tunes, builds and writes nothing, and kiln sees
+everything it would (issue 25). Real CPU bakes, real restores, a server written like a user's
+(tests/user_server.py: `. kiln.env`, plain torch.compile, no kiln import)."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+from pathlib import Path
+
+import pytest
+
+import kiln
+from tests.first_process import digest_tree, serve_like_a_user
+
+pytestmark = pytest.mark.slow
+
+
+@pytest.fixture(scope="module")
+def artifact(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
+    """A 3-bucket MLP baked once for this module (its own, so no test sees another's state)."""
+    from tests.conftest import mlp_spec
+
+    d = tmp_path_factory.mktemp("first-process")
+    spec = d / "spec.yaml"
+    spec.write_text(mlp_spec("first-process"))
+    result = kiln.bake(spec, d / "a.kiln.tar.zst")
+    assert result.manifest.proof is not None and result.manifest.proof.compiles == 0
+    return spec, result.artifact
+
+
+def test_a_user_server_is_the_first_process_and_does_no_compile_work(artifact, tmp_path) -> None:
+    """Three orders, each the first process on a fresh restore at a new path, with an empty
+    HOME and TMPDIR: no miss, no tuning, nothing built, nothing written anywhere it looks."""
+    spec, art = artifact
+    for i, order in enumerate(("grid", "reverse", "shuffle")):
+        dest = tmp_path / f"pod{i}" / "cache"
+        kiln.restore(art, dest)
+        served = serve_like_a_user(spec, dest, tmp_path / f"run{i}", order=order, seed=i)
+        assert served.returncode == 0, served.stderr
+        assert len(served.buckets) == 3
+        assert served.work() == {}, (order, served.summary())
+        assert not served.dest, (order, served.summary())
+        assert served.home == [] and served.tmp == [], (order, served.summary())
+
+
+@pytest.fixture
+def read_only_mount(tmp_path: Path):
+    """A tmpfs remounted read-only: root ignores file modes, not a read-only mount."""
+    mnt = tmp_path / "ro"
+    mnt.mkdir()
+    proc = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=64m", "tmpfs", str(mnt)])
+    if proc.returncode != 0:
+        pytest.skip("cannot mount a tmpfs here")
+    yield mnt
+    subprocess.run(["umount", "-l", str(mnt)], check=False)
+
+
+def test_a_read_only_restored_folder_serves(artifact, read_only_mount, tmp_path) -> None:
+    spec, art = artifact
+    dest = read_only_mount / "cache"
+    kiln.restore(art, dest)
+    subprocess.run(["mount", "-o", "remount,ro", str(read_only_mount)], check=True)
+    with pytest.raises(OSError):
+        (dest / "probe").write_text("x")
+    served = serve_like_a_user(spec, dest, tmp_path / "run", order="reverse")
+    assert served.returncode == 0, served.stderr
+    assert served.work() == {} and served.home == [] and served.tmp == [], served.summary()
+
+
+def test_verify_names_a_kernel_the_folder_lost_and_leaves_the_folder_as_found(
+    artifact, tmp_path, cli
+) -> None:
+    """A C++ kernel deleted after restore: both routes rebuild it (exit 6, named), verify
+    writes nothing into the folder, and a second verify fails the same way."""
+    spec, art = artifact
+    dest = tmp_path / "cache"
+    kiln.restore(art, dest)
+    kernel = next(p for p in sorted((dest / "inductor").rglob("*.so")) if "triton" not in p.parts)
+    kernel.unlink()
+    found = digest_tree(dest)
+    for _ in range(2):
+        proc = cli("verify", spec, "--cache", dest, "--json")
+        assert proc.returncode == 6, proc.stderr
+        report = json.loads(proc.stdout)
+        assert report["routes"] == ["plain", "activate"]
+        assert any("kernel binar" in line for line in report["failing"]), report["failing"]
+        assert any(
+            f"-inductor/{kernel.relative_to(dest / 'inductor')}" in c
+            for c in report["folder_changes"]
+        )
+        assert digest_tree(dest) == found
+
+
+def test_verify_of_a_bucket_never_baked_fails_and_stays_failed(artifact, tmp_path, cli) -> None:
+    """Issue 25 item 5: the bucket compiles in verify (exit 6), but into a private copy, so the
+    next verify fails again and restore still finds the folder it installed."""
+    from tests.conftest import mlp_spec
+
+    _, art = artifact
+    dest = tmp_path / "cache"
+    kiln.restore(art, dest)
+    wider = tmp_path / "wider.yaml"
+    wider.write_text(mlp_spec("first-process", buckets="batch: [2, 3, 5, 7]"))
+    found = digest_tree(dest)
+    for _ in range(2):
+        proc = cli("verify", wider, "--cache", dest, "--route", "plain", "--json")
+        assert proc.returncode == 6, proc.stderr
+        failing = json.loads(proc.stdout)["failing"]
+        assert len(failing) == 1 and failing[0].startswith("batch=7"), failing
+        assert digest_tree(dest) == found
+
+
+def test_verify_names_a_folder_a_server_wrote_into(artifact, tmp_path, cli) -> None:
+    spec, art = artifact
+    dest = tmp_path / "cache"
+    kiln.restore(art, dest)
+    (dest / "inductor" / "zz").mkdir()
+    (dest / "inductor" / "zz" / "stray.py").write_text("# written by a server")
+    proc = cli("verify", spec, "--cache", dest, "--route", "plain", "--json")
+    assert proc.returncode == 6
+    report = json.loads(proc.stdout)
+    assert report["folder_changes"] == ["+inductor/zz/stray.py"]
+    assert "changed since it was restored" in report["failing"][0]
+
+
+def test_restore_links_the_lock_folder_out_of_the_restored_tree(artifact, tmp_path) -> None:
+    _, art = artifact
+    dest = tmp_path / "cache"
+    kiln.restore(art, dest)
+    locks = dest / "inductor" / "locks"
+    assert locks.is_symlink() and str(locks.readlink()) == "/tmp"
+    shutil.rmtree(dest)
