@@ -40,7 +40,8 @@ def test_bench_modes_and_ratios(write_spec, cli, tmp_path: Path) -> None:
     eager, served = ([p["phase"] for p in modes[m]["startup_phases"]] for m in ("eager", "kiln"))
     assert eager[:3] == ["interpreter + kiln import", "import torch", "device init"]
     assert "model build" in eager and not any("Inductor" in p for p in eager)
-    assert "Inductor import + worker pool start" in served and "model build" in served
+    # kiln serves as a user's server on kiln.env does: no worker pool, nothing started early.
+    assert "model build" in served and not any("pool" in phase for phase in served)
     for m in (modes["eager"], modes["kiln"]):
         assert abs(sum(p["s"] for p in m["startup_phases"]) - m["startup_s"]) < 0.05
     human = cli(

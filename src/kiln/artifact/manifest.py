@@ -192,6 +192,20 @@ class ProofStats(_Model):
     rebakes: int = Field(0, ge=0, description="extra passes that filled what a proof missed")
 
 
+# The counts that are compile work (each adds to CompileCounts.compiles; bench shows them).
+WORK_KINDS = (
+    "fx_misses",
+    "fx_bypass",
+    "aot_misses",
+    "precompile_misses",
+    "new_native",
+    "launchers",
+    "autotunes",
+    "kernel_tunings",
+    "written",
+)
+
+
 class CompileCounts(_Model):
     """What compiled (or only loaded) during some calls: the counts a bucket is judged by.
 
@@ -230,17 +244,7 @@ class CompileCounts(_Model):
     @property
     def compiles(self) -> int:
         """Everything that compiled: zero is the definition of a warm cache."""
-        return (
-            self.fx_misses
-            + self.fx_bypass
-            + self.aot_misses
-            + self.new_native
-            + self.autotunes
-            + self.kernel_tunings
-            + self.launchers
-            + self.written
-            + self.precompile_misses
-        )
+        return sum(getattr(self, kind) for kind in WORK_KINDS)
 
     def counts(self) -> dict[str, Any]:
         """Only the :class:`CompileCounts` fields (a :class:`BucketStats` has more)."""

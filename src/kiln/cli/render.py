@@ -309,9 +309,31 @@ def bench_table(report: BenchReport) -> Table:
             ms(m.first_calls_s),
             ms(max(b.first_call_s for b in m.buckets)),
             ms(m.to_dict()["steady_median_s"]),
-            str(m.compiles),
+            work_cell(m.work()),
         )
     return table
+
+
+_WORK_WORDS = {
+    "fx_misses": "FX",
+    "fx_bypass": "FX bypass",
+    "aot_misses": "AOT",
+    "precompile_misses": "precompiled miss",
+    "new_native": "kernel bin",
+    "launchers": "gcc",
+    "autotunes": "autotune",
+    "kernel_tunings": "tuned",
+    "written": "written",
+}
+
+
+def work_cell(work: dict[str, int]) -> str:
+    """A mode's compile work: the total, then each kind that is not zero (``3: 2 gcc, 1 FX``)."""
+    total = sum(work.values())
+    kinds = ", ".join(
+        f"{n} {_WORD}" for kind, n in work.items() if n for _WORD in [_WORK_WORDS[kind]]
+    )
+    return f"{total}: {kinds}" if kinds else str(total)
 
 
 def startup_table(report: BenchReport) -> Table:

@@ -340,15 +340,28 @@ def serve_copy(
         shutil.copytree(cache, served, symlinks=True)
         home.mkdir()
         temp.mkdir()
-        request = served_request(served, manifest, order, spec.warmup.calls, route).replace(
+        request, env = first_process(
+            served_request(served, manifest, order, spec.warmup.calls, route), manifest, home, temp
+        )
+        request = request.replace(
             fingerprint=True,
             device_index=device_index,
             # Data the bake never drew, as traffic's is: a path the bake's inputs missed shows.
             input_seed=input_stream(_VERIFY_STREAMS + seed),
-            watch={"DIR": str(served), "HOME": str(home), "TMPDIR": str(temp)},
         )
-        env = cache_env(served, manifest.env) | {"HOME": str(home), "TMPDIR": str(temp)}
         return run_worker(spec, request, env, on_event=on_event)
+
+
+def first_process(
+    request: WorkerRequest, manifest: Manifest, home: Path, temp: Path
+) -> tuple[WorkerRequest, dict[str, str]]:
+    """``request`` (a served route's) and its environment as a new pod's first process: the
+    served folder's ``kiln.env`` values, an empty ``HOME`` and ``TMPDIR``, all three watched."""
+    assert request.cache_root is not None
+    served = Path(request.cache_root).parent
+    watch = {"DIR": str(served), "HOME": str(home), "TMPDIR": str(temp)}
+    env = cache_env(served, manifest.env) | {"HOME": str(home), "TMPDIR": str(temp)}
+    return request.replace(watch=watch), env
 
 
 def rank_buckets(results: Any, *, labelled: bool) -> list[BucketStats]:

@@ -285,7 +285,7 @@ def run(request: WorkerRequest) -> WorkerResult:
     model = _build_model(spec, device)
     clock.mark("model build")
     forward = _forward(request, spec, model, _synchronizer(device), activation)
-    clock.mark("precompiled load" if request.precompile_load else "compile set-up")
+    clock.mark("precompiled load" if forward.load_s is not None else "compile set-up")
     model_ready = time.time()
     _emit(WorkerStarted(buckets=len(request.order), torch_import_s=torch_import_s))
     grid = _Grid(

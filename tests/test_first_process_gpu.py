@@ -1,0 +1,107 @@
+"""On a GPU: the first process after a restore, served as a user serves, does no compile work
+(issue 25), on a writable and on a read-only folder, and verify agrees with it.
+
+Each reference spec (``KILN_GPU_SPECS``, comma-separated, overrides the list) is baked once;
+then three fresh restores at new paths, each served first by tests/user_server.py (`. kiln.env`,
+plain torch.compile, no kiln import) in another order, the second one from a read-only bind
+mount; then ``kiln.verify`` on a fourth restore. ``KILN_GPU_OUT`` (a folder) collects what each
+process did, for docs/benchmarks.md.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+from pathlib import Path
+
+import pytest
+
+import kiln
+from tests.conftest import ROOT
+from tests.first_process import serve_like_a_user
+
+pytestmark = [pytest.mark.gpu, pytest.mark.slow]
+
+SPECS = os.environ.get(
+    "KILN_GPU_SPECS", "configs/tiny-gpt-cuda.yaml,configs/encoder-graph-break.yaml"
+).split(",")
+ORDERS = (("grid", False), ("reverse", True), ("shuffle", False))  # (order, read-only)
+
+
+def record(name: str, data: dict) -> None:
+    out = os.environ.get("KILN_GPU_OUT")
+    if out:
+        Path(out).mkdir(parents=True, exist_ok=True)
+        with (Path(out) / "first-process.jsonl").open("a") as f:
+            f.write(json.dumps({"spec": name, **data}) + "\n")
+
+
+@pytest.fixture(scope="module", params=SPECS)
+def baked(request, tmp_path_factory):
+    spec = ROOT / request.param
+    d = tmp_path_factory.mktemp(spec.stem)
+    result = kiln.bake(spec, d / "a.kiln.tar.zst")
+    record(
+        spec.stem,
+        {
+            "bake_passes": [p.compiles for p in result.manifest.passes],
+            "proof": result.manifest.proof.model_dump() if result.manifest.proof else None,
+        },
+    )
+    return spec, result
+
+
+def read_only(folder: Path) -> None:
+    """A read-only bind mount of ``folder`` over itself (root ignores file modes)."""
+    subprocess.run(["mount", "--bind", str(folder), str(folder)], check=True)
+    subprocess.run(["mount", "-o", "remount,ro,bind", str(folder)], check=True)
+
+
+def test_first_user_process_does_no_compile_work(baked, tmp_path: Path) -> None:
+    spec, result = baked
+    for i, (order, ro) in enumerate(ORDERS):
+        dest = tmp_path / f"pod{i}" / "opt" / "kiln"
+        kiln.restore(result.artifact, dest)
+        if ro:
+            read_only(dest)
+        try:
+            served = serve_like_a_user(spec, dest, tmp_path / f"run{i}", order=order, seed=i)
+        finally:
+            if ro:
+                subprocess.run(["umount", "-l", str(dest)], check=False)
+        record(spec.stem, {"order": order, "read_only": ro, **served.summary()})
+        assert served.returncode == 0, served.stderr
+        assert served.work() == {}, (order, ro, served.summary())
+        assert served.benchmarks() == 0, (order, ro, served.summary())
+        assert not served.dest and served.home == [] and served.tmp == [], served.summary()
+
+
+def test_verify_agrees_with_the_user_server(baked, tmp_path: Path) -> None:
+    spec, result = baked
+    dest = tmp_path / "verify" / "cache"
+    kiln.restore(result.artifact, dest)
+    report = kiln.verify(spec, dest, order="shuffle", seed=3)
+    record(spec.stem, {"verify": report.to_dict()})
+    assert report.routes == ["plain", "activate"]
+    assert report.ok, report.reasons()
+
+
+def test_verify_names_a_lost_tuning_result_and_a_lost_helper(baked, tmp_path: Path) -> None:
+    """Delete what the first process would otherwise redo: a kernel's .best_config and
+    Triton's cuda_utils; verify (plain route) fails naming both kinds."""
+    spec, result = baked
+    dest = tmp_path / "lost" / "cache"
+    kiln.restore(result.artifact, dest)
+    tuned = sorted((dest / "inductor").rglob("*.best_config"))
+    helpers = sorted((dest / "triton-home").rglob("cuda_utils*.so"))
+    if not tuned or not helpers:
+        pytest.skip(f"{spec.stem}: no .best_config ({len(tuned)}) or cuda_utils ({len(helpers)})")
+    tuned[0].unlink()
+    helpers[0].unlink()
+    report = kiln.verify(spec, dest, routes=("plain",))
+    lines = " ".join(report.reasons())
+    record(spec.stem, {"lost": lines})
+    assert not report.ok
+    assert "native helper built with gcc" in lines, lines
+    assert "configs benchmarked" in lines or "autotune" in lines, lines
