@@ -58,6 +58,7 @@ from kiln.serving import (
     MEGACACHE_NAME,
     PRECOMPILED_NAME,
     RANKS_DIR,
+    SERVING_ENV,
     TRITON_HOME_DIR,
     cold_torch_kwargs,
     compile_env,
@@ -322,7 +323,8 @@ class _Baker:
         self.emit(PassStarted(index=i, passes=max(passes, i + 1), order=order))
         base = self.first if i == 0 else self.later
         request = base.replace(order=order, input_seed=input_stream(i))
-        run = run_worker(self.spec, request, self.env, on_event=self.emit)
+        env = self.env if i == 0 else self.env | SERVING_ENV  # later passes load as servers do
+        run = run_worker(self.spec, request, env, on_event=self.emit)
         self.runs.append(run)
         compiles = sum(result.compiles for result in run.results)  # quiet: every rank is
         self.pass_stats.append(PassStats(order=order, compiles=compiles, wall_s=run.wall_s))
