@@ -222,24 +222,14 @@ def test_served_torch_kwargs_are_what_the_bake_recorded(write_spec) -> None:
     spec = load_spec(write_spec(mlp_spec()))
     recorded = manifest_for({}, compile_kwargs={"backend": "eager", "fullgraph": True})
     assert served_torch_kwargs(recorded) == {"backend": "eager", "fullgraph": True}
-    # An artifact from before kiln recorded them: what that kiln compiled with (no LOADING).
     older = manifest_for({}, spec=spec.canonical(), compile_kwargs=None)
-    assert served_torch_kwargs(older) == {
-        "backend": "inductor",
-        "dynamic": False,
-        "fullgraph": False,
-        "mode": "default",
-    }
+    assert served_torch_kwargs(older) == torch_kwargs(spec.compile)
     # kiln-serial: the mode becomes its options (torch.compile takes one or the other).
-    assert with_compile_threads(served_torch_kwargs(older), 1) == {
+    assert with_compile_threads(torch_kwargs(spec.compile), 1) == {
         "backend": "inductor",
         "dynamic": False,
         "fullgraph": False,
         "options": {"compile_threads": 1},
-    }
-    assert with_compile_threads(torch_kwargs(spec.compile), 1)["options"] == {
-        "use_static_cuda_launcher": False,
-        "compile_threads": 1,
     }
 
 

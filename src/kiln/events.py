@@ -100,6 +100,13 @@ class Capturing(_Event):
     event: Literal["capture"] = "capture"
 
 
+class Tuning(_Event):
+    """The bake's tuning pre-pass (a GPU spec): kernels benchmark their launch configs before
+    the graphs that ship are compiled (kiln.compiler.bake explains why)."""
+
+    event: Literal["tune"] = "tune"
+
+
 class Packing(_Event):
     event: Literal["pack"] = "pack"
     total: int = Field(description="bytes of the files going into the artifact")
@@ -147,6 +154,7 @@ Event = (
     | Proving
     | ModeStarted
     | Capturing
+    | Tuning
     | Packing
     | Packed
     | Fetching

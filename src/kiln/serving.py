@@ -326,21 +326,15 @@ MODE_OPTIONS: dict[str, dict[str, bool]] = {
 }
 _TUNING_OPTIONS = ("max_autotune", "coordinate_descent_tuning")
 
-# What every spec adds to its Inductor options (part of Inductor's cache key, so the manifest's
-# compile_kwargs carries it to the server), and why:
-LOADING: dict[str, Any] = {
-    # On an FX hit, statically launchable kernels come back as autotuners pickled at compile
-    # time, before their first call tuned them, holding the bake's absolute source path: a
-    # restored process looks for each `.best_config` under the bake's folder, finds none and
-    # benchmarks every config again (H200, default mode: 38 kernels, 188 benchmarks in the first
-    # process; it then writes them under that path, so only the first process on the bake
-    # machine showed it), and (torch <= 2.11) they lose the coordinate-descent flag
-    # (pytorch#172819). Kernels loaded from source read the `.best_config` beside the restored
-    # source.
-    "use_static_cuda_launcher": False,
-}
-# What an autotuning spec adds on top, and why:
+# What an autotuning spec adds to its Inductor options (part of Inductor's cache key, so the
+# manifest's compile_kwargs carries it to the server), and why:
 AUTOTUNE_LOADING: dict[str, Any] = {
+    # On an FX hit, statically launchable kernels come back as autotuners pickled at compile
+    # time, holding the bake's absolute source path and (torch <= 2.11) without their
+    # coordinate-descent flag (pytorch#172819), so they tune again; kernels loaded from source
+    # read the `.best_config` beside the restored source. (Other specs keep the static launcher:
+    # the bake tunes before it compiles what ships, kiln.compiler.bake.)
+    "use_static_cuda_launcher": False,
     # A kernel loaded in the compile worker pool returns to the parent pickled, and
     # triton.Config.__setstate__ (3.6) keeps only its own fields, so `found_by_coordesc` is
     # dropped and the first call tunes again. Whether the pool is ready yet is a race, so
@@ -363,12 +357,10 @@ def autotunes(options: Mapping[str, Any]) -> bool:
 def torch_kwargs(compile: CompileSpec) -> dict[str, Any]:
     """Keyword arguments for ``torch.compile`` exactly as a serving process must pass them.
 
-    Every spec gets :data:`LOADING` and autotuning specs :data:`AUTOTUNE_LOADING` too, which
-    make a warm process use the tuning results it is given instead of benchmarking again; a key
-    the spec sets itself stands. ``use_static_cuda_launcher`` is part of Inductor's cache key,
-    so a server must compile with these arguments (the manifest records them as
-    ``compile_kwargs``); a ``mode`` becomes its options, since torch.compile takes one or the
-    other.
+    Autotuning specs get the settings in :data:`AUTOTUNE_LOADING`, which make a warm process use
+    the tuning results it is given instead of benchmarking again; a key the spec sets itself
+    stands. ``use_static_cuda_launcher`` is part of Inductor's cache key, so a server must compile
+    with these arguments (the manifest records them as ``compile_kwargs``).
     """
     return _compile_kwargs(
         compile.backend,
@@ -376,7 +368,6 @@ def torch_kwargs(compile: CompileSpec) -> dict[str, Any]:
         compile.dynamic,
         compile.fullgraph,
         compile.options,
-        loading=LOADING,
     )
 
 
@@ -386,13 +377,13 @@ def _compile_kwargs(
     dynamic: bool | None,
     fullgraph: bool,
     options: Mapping,
-    loading: Mapping[str, Any],
 ) -> dict[str, Any]:
     kwargs: dict[str, Any] = {"backend": backend, "dynamic": dynamic, "fullgraph": fullgraph}
     settings = inductor_options(mode, options)
-    added = {**loading, **(AUTOTUNE_LOADING if autotunes(settings) else {})}
-    if added:
-        kwargs["options"] = settings | {k: v for k, v in added.items() if k not in settings}
+    if autotunes(settings):
+        kwargs["options"] = settings | {
+            k: v for k, v in AUTOTUNE_LOADING.items() if k not in settings
+        }
     elif options:
         kwargs["options"] = dict(options)
     else:
@@ -445,5 +436,4 @@ def served_torch_kwargs(manifest: Manifest) -> dict[str, Any]:
         section["dynamic"],
         section["fullgraph"],
         section.get("options") or {},
-        loading={},  # as kilns before LOADING compiled it
     )

@@ -48,6 +48,7 @@ from kiln.events import (
     Packing,
     PassStarted,
     Proving,
+    Tuning,
     WorkerStarted,
 )
 
@@ -174,6 +175,11 @@ class _ProgressSink:
                 if self.plain and e.passes > 1:
                     where = f"{self.label}: " if self.label else ""
                     self.plain.note(f"{where}pass {e.index + 1}/{e.passes}")
+            case Tuning():
+                if self.plain:
+                    self.plain.note(
+                        "tuning: kernels pick their launch configs before the graphs are saved"
+                    )
             case Proving() as e:
                 self.tasks.pop("first", None)
                 self.tasks.pop("warm", None)

@@ -10,6 +10,14 @@ reads the tuned configs back rebuilds Triton kernels the first pass never compil
 exact options (measured on the H200, torch 2.11), so a second pass writes them into the cache.
 The first pass compiles with Inductor's worker pool; later passes load as a server will, with
 the spec's serving arguments (:func:`kiln.serving.torch_kwargs`).
+
+A GPU spec first runs a tuning pre-pass whose graphs are thrown away. Inductor saves each
+statically launchable kernel in its FX entry as an autotuner pickled at compile time, before its
+first call benchmarked the candidate launch configs, and with the bake's absolute path, where a
+restored process looks for the tuning result and finds none: the first process of every pod
+benchmarked again (H200, default mode: 38 kernels, 188 benchmarks). Compiled after the
+pre-pass, each kernel reads its tuning result as it loads, so the entries that ship hold the
+one config it chose and a served process has nothing to tune.
 """
 
 from __future__ import annotations
@@ -49,7 +57,16 @@ from kiln.compiler.dynamo_log import merge_breaks
 from kiln.compiler.launch import WorkerRun, run_worker
 from kiln.compiler.protocol import WorkerRequest, input_stream
 from kiln.errors import UsageError, VerificationError
-from kiln.events import Capturing, EventSink, Packed, Packing, PassStarted, Proving, ignore
+from kiln.events import (
+    Capturing,
+    EventSink,
+    Packed,
+    Packing,
+    PassStarted,
+    Proving,
+    Tuning,
+    ignore,
+)
 from kiln.grid import Bucket, Shard, expand, ordered, rotations, shard_grid
 from kiln.serving import (
     BYTECODE_DIR,
@@ -71,6 +88,8 @@ if TYPE_CHECKING:
     from kiln.compiler.verify import VerifyReport
 
 MAX_AUTO_PASSES = 4
+# Inductor's graph-level caches under its root: the tuning pre-pass drops them (and Dynamo's).
+_GRAPH_DIRS = ("fxgraph", "aotautograd")
 MAX_REBAKES = 2  # passes added when the proof compiled, each proven again
 PROOF_SEED = 7919  # the proof's shuffle (and input stream): not an order a pass used
 
@@ -330,9 +349,39 @@ class _Baker:
         self.pass_stats.append(PassStats(order=order, compiles=compiles, wall_s=run.wall_s))
         return compiles
 
+    def tune(self) -> None:
+        """A GPU spec's tuning pre-pass (the module docstring says why): compile and call every
+        bucket once, then keep only what it tuned and compiled below the graphs (the kernels'
+        sources, ``.best_config`` files and Triton's binaries); the graphs compile again in the
+        first pass, with their kernels' chosen configs."""
+        if self.spec.model.device != "cuda":
+            return
+        self.emit(Tuning())
+        request = self.first.replace(
+            calls=1,
+            steady_calls=1,
+            megacache_save=None,
+            precompile_save=None,
+            frames=None,
+            fingerprint=False,
+            report_imports=False,
+        )
+        run_worker(self.spec, request, self.env, on_event=self.emit)
+        for layout in self._layouts():
+            for graphs in (*_GRAPH_DIRS, FRAMES_DIR):
+                shutil.rmtree(layout / INDUCTOR_DIR / graphs, ignore_errors=True)
+            for blob in (MEGACACHE_NAME, PRECOMPILED_NAME):
+                (layout / blob).unlink(missing_ok=True)
+
+    def _layouts(self) -> list[Path]:
+        if self.spec.distributed is None:
+            return [self.work]
+        return [rank_dir(self.work, rank) for rank in range(self.spec.world_size)]
+
     def compile_passes(self, passes: int | None) -> None:
         """The passes ``passes`` (or the spec) asks for, each in another order; automatic
         counts stop at the first later pass that compiled nothing."""
+        self.tune()
         count, auto = _pass_count(self.spec, passes)
         for i, order in enumerate(rotations(self.buckets, count)):
             compiles = self.run_pass([b.key for b in order], count)
