@@ -175,11 +175,9 @@ class _ProgressSink:
                 if self.plain and e.passes > 1:
                     where = f"{self.label}: " if self.label else ""
                     self.plain.note(f"{where}pass {e.index + 1}/{e.passes}")
-            case Tuning():
-                if self.plain:
-                    self.plain.note(
-                        "tuning: kernels pick their launch configs before the graphs are saved"
-                    )
+            case Tuning():  # the pre-pass's buckets show as its own progress
+                self.tasks.pop("first", None)
+                self.tasks.pop("warm", None)
             case Proving() as e:
                 self.tasks.pop("first", None)
                 self.tasks.pop("warm", None)
