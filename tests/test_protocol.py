@@ -19,7 +19,7 @@ from kiln.artifact.manifest import NEW_FILES_SAMPLE, BucketStats, CompileCounts
 from kiln.cli.output import Output
 from kiln.compiler.bench import ALL_MODES, EXTRA_MODES, MODES
 from kiln.compiler.counters import CompileCounters, compile_counts
-from kiln.compiler.launch import HEARTBEAT_S, heartbeat_interval, relay_events
+from kiln.compiler.process import HEARTBEAT_S, heartbeat_interval, relay_events
 from kiln.compiler.protocol import WorkerFailure, WorkerOutcome, WorkerRequest
 from kiln.errors import ExitCode, UsageError
 from kiln.events import (

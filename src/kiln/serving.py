@@ -25,11 +25,46 @@ import re
 import shlex
 from collections.abc import Mapping
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
-if TYPE_CHECKING:  # annotations only: both import this module
-    from kiln.artifact.manifest import Manifest
-    from kiln.spec import CompileSpec, Spec
+
+# What this module reads of the spec and the manifest, which both import it: structural types,
+# so the lowest module is typed against the fields it uses, not against the models above it.
+class CompileSection(Protocol):
+    """A spec's ``compile`` section (:class:`kiln.spec.CompileSpec`)."""
+
+    @property
+    def backend(self) -> str: ...
+    @property
+    def mode(self) -> str | None: ...
+    @property
+    def dynamic(self) -> bool | None: ...
+    @property
+    def fullgraph(self) -> bool: ...
+    @property
+    def options(self) -> Mapping[str, Any]: ...
+    @property
+    def autotunes(self) -> bool: ...
+
+
+class CompiledSpec(Protocol):
+    """A spec (:class:`kiln.spec.Spec`), as far as its compile environment goes."""
+
+    @property
+    def name(self) -> str: ...
+    @property
+    def compile(self) -> CompileSection: ...
+    def compile_env(self) -> dict[str, str]: ...
+
+
+class Recorded(Protocol):
+    """A manifest (:class:`kiln.artifact.manifest.Manifest`), as far as its compile arguments go."""
+
+    @property
+    def compile_kwargs(self) -> Mapping[str, Any] | None: ...
+    @property
+    def spec(self) -> Mapping[str, Any]: ...
+
 
 # --- the layout of an artifact and of a restored folder --------------------------------------
 INDUCTOR_DIR = "inductor"  # DIR/inductor is TORCHINDUCTOR_CACHE_DIR
@@ -166,7 +201,7 @@ SERVING_ENV = {
 }
 
 
-def compile_env(spec: Spec) -> dict[str, str]:
+def compile_env(spec: CompiledSpec) -> dict[str, str]:
     """Environment the bake compiles under and every serving process must share.
 
     :data:`COMPILE_DEFAULTS`, the spec's ``env`` (its keys passed :func:`env_key_problem` when
@@ -354,7 +389,7 @@ def autotunes(options: Mapping[str, Any]) -> bool:
     return any(bool(options.get(k)) for k in _TUNING_OPTIONS)
 
 
-def torch_kwargs(compile: CompileSpec) -> dict[str, Any]:
+def torch_kwargs(compile: CompileSection) -> dict[str, Any]:
     """Keyword arguments for ``torch.compile`` exactly as a serving process must pass them.
 
     Autotuning specs get the settings in :data:`AUTOTUNE_LOADING`, which make a warm process use
@@ -391,7 +426,7 @@ def _compile_kwargs(
     return kwargs
 
 
-def cold_torch_kwargs(compile: CompileSpec) -> dict[str, Any]:
+def cold_torch_kwargs(compile: CompileSection) -> dict[str, Any]:
     """:func:`torch_kwargs` for a compile that starts from an empty cache (a bake's first pass).
 
     Only a warm process must load kernels in-process; a cold one compiles hundreds of kernels,
@@ -420,7 +455,7 @@ def with_compile_threads(kwargs: Mapping[str, Any], threads: int | None) -> dict
     return out | {"options": options}
 
 
-def served_torch_kwargs(manifest: Manifest) -> dict[str, Any]:
+def served_torch_kwargs(manifest: Recorded) -> dict[str, Any]:
     """The ``torch.compile`` arguments a serving process must pass to hit ``manifest``'s caches.
 
     What the bake recorded (``compile_kwargs``), never what this kiln would derive from the spec

@@ -142,7 +142,7 @@ def push_cmd(
 ) -> None:
     """Upload an artifact (and ARTIFACT.intoto.jsonl beside it, if signed: as DEST.intoto.jsonl,
     or an OCI referrer); prints its digest so CI can pin the restore."""
-    from kiln.artifact.storage import push
+    from kiln.artifact.publish import push
 
     result = push(artifact, dest)
 

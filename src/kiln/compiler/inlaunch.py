@@ -31,6 +31,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from kiln.compiler import ranks
+from kiln.compiler.process import heartbeat_interval, read_outcome, spawn, worker_command
 from kiln.compiler.protocol import WorkerOutcome, WorkerRequest
 from kiln.errors import KilnError, UsageError
 from kiln.events import EventSink, ignore
@@ -197,8 +198,6 @@ def issue(
 ) -> tuple[float, int, str, list[WorkerOutcome | None]]:
     """One worker pass of every rank: rank 0's here, the others' by the followers; (start epoch,
     rank 0's exit code, every rank's log, every rank's outcome or None)."""
-    from kiln.compiler.launch import _spawn, _worker_command
-
     number = session.issued
     session.issued += 1
     folder = session.work / COMMANDS / str(number)
@@ -213,15 +212,15 @@ def issue(
     child_env = worker_environment(command_env, me)
     log_dir = folder / "rank0"
     log_dir.mkdir()
-    spawned, returncode = _spawn(
-        log_dir, _worker_command(args), child_env, on_event, heartbeat_s, timeout
+    spawned, returncode = spawn(
+        log_dir, worker_command(args), child_env, on_event, heartbeat_s, timeout
     )
     world = me.world_size
     for r in range(1, world):
         wait_for(folder / f"done{r}", f"rank {r} to finish pass {number}", session.limit)
     logs = [(log_dir / "stderr.log").read_text(errors="replace")]
     logs += [_read(folder / f"stderr{r}.log") for r in range(1, world)]
-    outcomes = [_outcome(folder / f"outcome{r}.json") for r in range(world)]
+    outcomes = [read_outcome(folder / f"outcome{r}.json") for r in range(world)]
     return spawned, returncode, "\n".join(logs), outcomes
 
 
@@ -232,16 +231,10 @@ def _read(path: Path) -> str:
         return ""
 
 
-def _outcome(path: Path) -> WorkerOutcome | None:
-    return WorkerOutcome.model_validate_json(path.read_bytes()) if path.exists() else None
-
-
 def follow(spec: Spec, rank: ranks.Rank, work: Path) -> None:
     """Rank R > 0: wait for rank 0's work folder, run every command's worker for this rank,
     until rank 0 ends. Raises :class:`LaunchTimeout` when rank 0 stays silent too long, and a
     :class:`KilnError` when rank 0's bake failed (its own error says why)."""
-    from kiln.compiler.launch import _spawn, _worker_command, heartbeat_interval
-
     limit, ident = timeout_s(), identity()
     wait_for(work / MARKER, f"rank 0 to start the bake of {spec.name}", limit, content=ident)
     number = 0
@@ -262,9 +255,9 @@ def follow(spec: Spec, rank: ranks.Rank, work: Path) -> None:
         mine = folder / f"rank{rank.rank}"
         mine.mkdir()
         try:
-            _spawn(
+            spawn(
                 mine,
-                _worker_command(args),
+                worker_command(args),
                 worker_environment(env, rank),
                 ignore,
                 heartbeat_interval(),

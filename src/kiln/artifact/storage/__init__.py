@@ -15,12 +15,10 @@ the HTTP client. Nothing registers itself at import time, and no backend imports
 
 from __future__ import annotations
 
-import dataclasses
 import importlib
 from pathlib import Path
 
 from kiln.artifact.storage.base import (
-    ATTESTATION_SUFFIX,
     DEFAULT_TIMEOUT,
     ByteSink,
     CappedBuffer,
@@ -29,13 +27,12 @@ from kiln.artifact.storage.base import (
     PushResult,
     Select,
     Store,
-    cannot_push,
     check_digest,
     check_timeout,
     parse_digest,
     scheme_of,
 )
-from kiln.errors import NotFoundError, UsageError
+from kiln.errors import UsageError
 
 __all__ = [
     "BACKENDS",
@@ -49,7 +46,6 @@ __all__ = [
     "fetch",
     "is_remote",
     "parse_digest",
-    "push",
     "read_small",
     "scheme_of",
 ]
@@ -120,29 +116,3 @@ def read_small(source: str, limit: int, *, timeout: float = DEFAULT_TIMEOUT) -> 
     out = CappedBuffer(limit, source)
     store.fetch(source, out, deadline=Deadline(timeout), on_bytes=None)
     return out.getvalue()
-
-
-def push(artifact: str | Path, dest: str) -> PushResult:
-    """Copy an artifact to ``dest``; the result names its digest so CI can pin it.
-
-    When ``ARTIFACT.intoto.jsonl`` (``kiln sign``) lies beside the artifact it goes too, after
-    the artifact (a registry referrer needs its subject first): beside the pushed object as
-    ``DEST.intoto.jsonl``, or attached as an OCI referrer; ``PushResult.attestation`` says where.
-    An attestation whose subject is another artifact is refused before anything is uploaded.
-    ``PushResult.summary()`` is what ``kiln push --json`` prints.
-    """
-    src = Path(artifact)
-    if not src.is_file():
-        raise NotFoundError(f"{artifact}: no such artifact")
-    store = backend(scheme_of(dest))
-    if store is None:
-        raise cannot_push(dest)
-    attestation = src.with_name(src.name + ATTESTATION_SUFFIX)
-    if attestation.is_file():
-        from kiln.artifact.attestation import check_attests
-
-        check_attests(attestation, src)
-    result = store.push(src, dest)
-    if not attestation.is_file():
-        return result
-    return dataclasses.replace(result, attestation=store.push_attestation(attestation, result))

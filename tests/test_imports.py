@@ -1,0 +1,110 @@
+"""kiln's own imports point one way (issue 28): no circle between its modules, and the torch-free
+side loads nothing of the compiler side."""
+
+from __future__ import annotations
+
+import ast
+import graphlib
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+import kiln
+from tests.conftest import NO_TORCH, ROOT
+
+SRC = ROOT / "src"
+
+
+def _module_name(path: Path, src: Path) -> str:
+    parts = list(path.relative_to(src).with_suffix("").parts)
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def _imports(path: Path, name: str, modules: set[str]) -> set[str]:
+    """The kiln modules ``path`` imports anywhere (inside functions too: a deferred import is
+    still a dependency), except under ``if TYPE_CHECKING:``, which never runs."""
+    package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+    found: set[str] = set()
+
+    def resolve(dotted: str) -> None:
+        while dotted and dotted not in modules:
+            dotted = dotted.rpartition(".")[0]
+        if dotted and dotted != name:
+            found.add(dotted)
+
+    def visit(node: ast.AST) -> None:
+        for child in ast.iter_child_nodes(node):
+            if isinstance(child, ast.If) and "TYPE_CHECKING" in ast.unparse(child.test):
+                for stmt in child.orelse:
+                    visit(stmt)
+                continue
+            if isinstance(child, ast.Import):
+                for alias in child.names:
+                    resolve(alias.name)
+            elif isinstance(child, ast.ImportFrom):
+                base = child.module or ""
+                if child.level:
+                    up = package
+                    for _ in range(child.level - 1):
+                        up = up.rpartition(".")[0]
+                    base = f"{up}.{base}" if base else up
+                for alias in child.names:  # `from kiln import bytecode` imports a module
+                    resolve(f"{base}.{alias.name}" if f"{base}.{alias.name}" in modules else base)
+            visit(child)
+
+    visit(ast.parse(path.read_text(), str(path)))
+    return found
+
+
+def import_graph(src: Path = SRC) -> dict[str, set[str]]:
+    files = {_module_name(p, src): p for p in src.rglob("*.py")}
+    modules = set(files)
+    return {name: _imports(path, name, modules) for name, path in files.items()}
+
+
+def test_no_import_circle_between_kiln_modules() -> None:
+    graph = import_graph()
+    assert "kiln.artifact.restore" in graph and graph["kiln.compiler.launch"]  # read something
+    try:
+        graphlib.TopologicalSorter(graph).prepare()
+    except graphlib.CycleError as exc:
+        pytest.fail(f"import circle: {' -> '.join(exc.args[1])}")
+
+
+def test_the_circle_finder_finds_a_circle(tmp_path: Path) -> None:
+    """The check above can fail: two modules that import each other inside functions, and a
+    relative import, are a circle; one under TYPE_CHECKING is not."""
+    pkg = tmp_path / "kiln"
+    pkg.mkdir()
+    (pkg / "__init__.py").write_text("")
+    (pkg / "a.py").write_text("def f():\n    from kiln.b import g\n")
+    (pkg / "b.py").write_text("def g():\n    from . import a\n")
+    (pkg / "c.py").write_text(
+        "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    import kiln.a\n"
+    )
+    graph = import_graph(tmp_path)
+    assert graph["kiln.a"] == {"kiln.b"} and graph["kiln.b"] == {"kiln.a"} and not graph["kiln.c"]
+    with pytest.raises(graphlib.CycleError):
+        graphlib.TopologicalSorter(graph).prepare()
+
+
+def test_torch_free_restore_loads_no_compiler_module() -> None:
+    """``import kiln.artifact.restore`` (the init container's path) runs ``kiln/__init__`` first:
+    it must not pull in the compiler side, which would import torch the moment it is used."""
+    code = (
+        NO_TORCH + "import kiln.artifact.restore, kiln.artifact.archive; "
+        "print(sorted(m for m in sys.modules if m.startswith('kiln.compiler')))"
+    )
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.strip() == "[]"
+
+
+def test_public_names_load_on_first_use() -> None:
+    assert sorted(kiln.__all__) == sorted([*kiln._HOMES, "__version__"])
+    for name, home in kiln._HOMES.items():
+        assert getattr(kiln, name) is getattr(sys.modules[home], name), name
+    with pytest.raises(AttributeError, match="no attribute 'nope'"):
+        kiln.nope  # noqa: B018
