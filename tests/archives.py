@@ -274,6 +274,11 @@ HOSTILE: list[Hostile] = [
 ]
 
 
+def sha(path: Path) -> str:
+    """The hex sha256 of a file, computed here rather than by the code under test."""
+    return hashlib.sha256(path.read_bytes()).hexdigest()
+
+
 def tree(d: Path) -> dict[str, bytes]:
     """Every file under ``d`` with its bytes ({} when ``d`` is missing): DEST before and after."""
     if not d.exists():

@@ -8,6 +8,8 @@ the binary they are skipped with the reason.
 from __future__ import annotations
 
 import contextlib
+import functools
+import http.server
 import os
 import shutil
 import socket
@@ -149,6 +151,27 @@ class Exchange:
     def hang(self) -> None:
         """Answer nothing until the test ends."""
         self.stop.wait(60)
+
+
+@contextmanager
+def serve_folder(folder: Path) -> Iterator[str]:
+    """A well-behaved loopback HTTP server (the standard library's) for the files in ``folder``;
+    yields its base URL."""
+
+    class Quiet(http.server.SimpleHTTPRequestHandler):
+        def log_message(self, format: str, *args: object) -> None:
+            pass
+
+    server = http.server.ThreadingHTTPServer(
+        ("127.0.0.1", 0), functools.partial(Quiet, directory=str(folder))
+    )
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    try:
+        yield f"http://127.0.0.1:{server.server_address[1]}"
+    finally:
+        server.shutdown()
+        server.server_close()
 
 
 @contextmanager

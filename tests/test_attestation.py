@@ -10,17 +10,12 @@ PAE and raw `cryptography`, so kiln's files verify wherever DSSE is spoken.
 from __future__ import annotations
 
 import base64
-import contextlib
-import functools
-import hashlib
-import http.server
 import json
 import os
 import shutil
 import subprocess
 import sys
-import threading
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -40,9 +35,10 @@ from kiln.artifact.attestation import (
 )
 from kiln.artifact.restore import restore
 from kiln.errors import IntegrityError, UsageError
-from tests.archives import good_archive
+from tests.archives import good_archive, sha
 from tests.conftest import mlp_spec
 from tests.keys import KeyPair, make_key
+from tests.servers import serve_folder
 
 FILES = {"inductor/fxgraph/a/entry": b"A" * 1000, "inductor/xy/k.py": b"print(1)\n"}
 OTHER = {"inductor/fxgraph/b/entry": b"B" * 1000}
@@ -67,10 +63,6 @@ def key(tmp_path: Path) -> KeyPair:
 @pytest.fixture
 def art(tmp_path: Path) -> Path:
     return good_archive(tmp_path / "a.kiln.tar.zst", FILES)
-
-
-def sha(path: Path) -> str:
-    return hashlib.sha256(path.read_bytes()).hexdigest()
 
 
 def envelope_of(path: Path) -> dict:
@@ -504,20 +496,6 @@ def test_default_attestation_location() -> None:
 
 
 # --- over HTTP, without torch, without the extra, in inspect ---------------------------------
-
-
-@contextlib.contextmanager
-def serve_folder(folder: Path) -> Iterator[str]:
-    handler = functools.partial(http.server.SimpleHTTPRequestHandler, directory=str(folder))
-    handler.log_message = lambda *a, **k: None  # type: ignore[attr-defined]
-    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), handler)
-    thread = threading.Thread(target=server.serve_forever, daemon=True)
-    thread.start()
-    try:
-        yield f"http://127.0.0.1:{server.server_address[1]}"
-    finally:
-        server.shutdown()
-        server.server_close()
 
 
 def test_attestation_fetched_beside_an_http_source(

@@ -62,7 +62,8 @@ def test_worker_request_is_typed_and_always_carries_the_compile_arguments() -> N
 
 def test_worker_outcome_holds_a_result_or_a_failure() -> None:
     failure = WorkerFailure(kind="spec", key="model.kwargs", message="bad")
-    assert WorkerOutcome.model_validate_json(WorkerOutcome(failure=failure).model_dump_json())
+    back = WorkerOutcome.model_validate_json(WorkerOutcome(failure=failure).model_dump_json())
+    assert back.failure == failure and back.result is None
     with pytest.raises(ValidationError, match="a result or a failure"):
         WorkerOutcome()
     with pytest.raises(ValidationError):
@@ -70,14 +71,41 @@ def test_worker_outcome_holds_a_result_or_a_failure() -> None:
 
 
 # --- counters ------------------------------------------------------------------------------------
-def test_compile_counters_subtract_and_read_torch() -> None:
+def test_compile_counters_subtract() -> None:
     after = CompileCounters(fx_misses=3, fx_bypass=1, gemm_autotunes=4, compile_s=2.5)
     before = CompileCounters(fx_misses=1, compile_s=0.5)
     diff = after - before
     assert diff == CompileCounters(fx_misses=2, fx_bypass=1, gemm_autotunes=4, compile_s=2.0)
     assert diff.graphs_compiled == 3
-    now = CompileCounters.read()  # torch's own counters, whatever this process compiled so far
-    assert now - now == CompileCounters()
+
+
+def test_compile_counters_read_torch_own_counters() -> None:
+    """:meth:`CompileCounters.read` reads each field from the counter torch bumps for it."""
+    from torch._dynamo.utils import compilation_time_metrics, counters
+
+    bumps = {
+        ("inductor", "fxgraph_cache_miss"): 2,
+        ("aot_autograd", "autograd_cache_hit"): 1,
+        ("inductor", "async_compile_cache_miss"): 4,
+        ("graph_break", "a reason"): 3,
+    }
+    timings = {"_compile.compile_inner": 1.5, "CachingAutotuner.benchmark_all_configs": 0.25}
+    before = CompileCounters.read()
+    for (group, name), n in bumps.items():
+        counters[group][name] += n
+    for name, seconds in timings.items():
+        compilation_time_metrics.setdefault(name, []).append(seconds)
+    try:
+        diff = CompileCounters.read() - before
+    finally:  # this process's counters as they were: other tests read them too
+        for (group, name), n in bumps.items():
+            counters[group][name] -= n
+        for name in timings:
+            compilation_time_metrics[name].pop()
+    assert diff == CompileCounters(
+        fx_misses=2, aot_hits=1, kernel_loads=4, graph_breaks=3, compile_s=1.5, kernel_tunings=1
+    )
+    assert CompileCounters.read() == before
 
 
 def test_bucket_compiles_count_what_a_step_built() -> None:

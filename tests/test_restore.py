@@ -2,16 +2,13 @@
 
 from __future__ import annotations
 
-import functools
 import hashlib
-import http.server
 import json
 import os
 import signal
 import subprocess
 import sys
 import tarfile
-import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -22,6 +19,7 @@ from kiln.artifact.restore import restore
 from kiln.errors import IntegrityError, KilnError, NotFoundError, UsageError
 from kiln.serving import ENV_NAME
 from tests.archives import good_archive, manifest_for, reg, special, tree, write_archive
+from tests.servers import serve_folder
 
 FILES = {"inductor/fxgraph/a/entry": b"A" * 1000, "inductor/xy/k.py": b"print(1)\n"}
 
@@ -208,20 +206,8 @@ def test_concurrent_restores_do_not_corrupt(tmp_path: Path) -> None:
 def http_server(tmp_path: Path) -> Iterator[str]:
     root = tmp_path / "www"
     root.mkdir()
-    handler = functools.partial(http.server.SimpleHTTPRequestHandler, directory=str(root))
-
-    class Quiet(handler.func):  # type: ignore[name-defined,misc]
-        def log_message(self, *args: object) -> None:
-            pass
-
-    server = http.server.ThreadingHTTPServer(
-        ("127.0.0.1", 0), functools.partial(Quiet, directory=str(root))
-    )
-    thread = threading.Thread(target=server.serve_forever, daemon=True)
-    thread.start()
-    yield f"http://127.0.0.1:{server.server_address[1]}"
-    server.shutdown()
-    server.server_close()
+    with serve_folder(root) as url:
+        yield url
 
 
 def test_restore_over_http(tmp_path: Path, http_server: str) -> None:

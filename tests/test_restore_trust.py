@@ -25,25 +25,15 @@ from kiln.artifact.restore import restore
 from kiln.errors import IntegrityError, NotFoundError, UsageError
 from kiln.events import Event
 from kiln.serving import STATE_NAME
-from tests.archives import good_archive
+from tests.archives import good_archive, sha, tree
 
 FILES = {"inductor/fxgraph/a/entry": os.urandom(5000), "inductor/xy/k.py": b"print(1)\n"}
 EVIL = {"inductor/evil.py": b"import os\n"}
 TEST_SWAP_ENV = swap_module.TEST_SWAP_ENV  # restore's documented test hook
 
 
-def tree(d: Path) -> dict[str, bytes]:
-    return {
-        p.relative_to(d).as_posix(): p.read_bytes() for p in sorted(d.rglob("*")) if p.is_file()
-    }
-
-
 def payload(d: Path) -> dict[str, bytes]:
     return {k: v for k, v in tree(d).items() if k.startswith("inductor/")}
-
-
-def sha(path: Path) -> str:
-    return hashlib.sha256(path.read_bytes()).hexdigest()
 
 
 def kiln_names(parent: Path) -> list[str]:

@@ -6,7 +6,6 @@ Push by digest and restore by digest must round-trip byte-identically.
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 import subprocess
@@ -20,16 +19,12 @@ import pytest
 import kiln
 from kiln.errors import IntegrityError, KilnError, NotFoundError, UsageError
 from kiln.events import Event
-from tests.archives import good_archive
+from tests.archives import good_archive, sha
 from tests.conftest import ROOT
 from tests.keys import make_key
 from tests.servers import gcs_server, oci_registry, s3_server, scripted_http
 
 FILES = {"inductor/fxgraph/a/entry": b"A" * 5000, "inductor/xy/k.py": b"print(1)\n"}
-
-
-def sha(path: Path) -> str:
-    return hashlib.sha256(path.read_bytes()).hexdigest()
 
 
 @pytest.fixture(scope="module")

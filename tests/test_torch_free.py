@@ -44,6 +44,7 @@ def test_restore_and_inspect_without_torch(tmp_path: Path, cli) -> None:
 def test_bundle_restore_and_inspect_without_torch(tmp_path: Path, cli) -> None:
     """Issue 14: bundling, choosing a variant (GPU detection included) and inspecting a bundle
     all run without torch."""
+    from kiln.artifact.machine import detect
     from tests.archives import CPU_FP, H200_FP, variant_archive
 
     cpu = variant_archive(tmp_path / "cpu.kiln.tar.zst", CPU_FP)
@@ -53,11 +54,20 @@ def test_bundle_restore_and_inspect_without_torch(tmp_path: Path, cli) -> None:
     assert proc.returncode == 0, proc.stderr
     proc = cli("inspect", out, "--json", no_torch=True)
     assert proc.returncode == 0 and json.loads(proc.stdout)["bundle"] is True, proc.stderr
-    for args in ((), ("--variant", "h200-sm90-torch2.11.0-cu130")):
+    # --variant installs that variant on any machine; without it, this machine's variant: the
+    # CPU one here, the H200 one on the GPU machine, none (exit 5) on any other GPU.
+    gpus = detect().gpus
+    here = None if gpus and gpus[0].name != "NVIDIA H200" else "cuda" if gpus else "cpu"
+    h200 = "h200-sm90-torch2.11.0-cu130"
+    for args, device in (((), here), (("--variant", h200), "cuda")):
         dest = tmp_path / f"cache{len(args)}"
         proc = cli("restore", out, "--dest", dest, "--json", *args, no_torch=True)
-        assert proc.returncode in (0, 5), proc.stderr  # 5: a GPU machine without an H200
         assert "Traceback" not in proc.stderr  # importing torch would have crashed it
+        if device is None:
+            assert proc.returncode == 5 and "no variant matches" in proc.stderr, proc.stderr
+            continue
+        assert proc.returncode == 0, proc.stderr
+        assert json.loads(proc.stdout)["variant"]["device"] == device
 
 
 @pytest.mark.slow  # the session's real CPU bake (`baked`): ~30 s
