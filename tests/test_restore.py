@@ -17,6 +17,7 @@ import pytest
 
 from kiln.artifact.restore import restore
 from kiln.errors import IntegrityError, KilnError, NotFoundError, UsageError
+from kiln.events import DestChanged
 from kiln.serving import ENV_NAME
 from tests.archives import good_archive, manifest_for, reg, special, tree, write_archive
 from tests.servers import serve_folder
@@ -145,6 +146,70 @@ def test_idempotent_noop(tmp_path: Path) -> None:
     pinned = restore(art, dest, sha256=first.sha256)
     assert again.noop and pinned.noop and not first.noop
     assert marker.stat().st_mtime_ns == mtime
+
+
+# --- a repeat restore notices a DEST changed since it was installed (issue 25 item 5) --------
+
+
+def _edit_same_size(path: Path) -> None:
+    """New bytes, same size, and the old mtime put back: only the content (and the inode change
+    time, which no user can set) says it changed."""
+    st = path.stat()
+    data = path.read_bytes()
+    path.write_bytes(bytes([data[0] ^ 1]) + data[1:])
+    os.utime(path, ns=(st.st_atime_ns, st.st_mtime_ns))
+
+
+@pytest.mark.parametrize(
+    ("change", "counts"),
+    [
+        (lambda d: _edit_same_size(d / "inductor/fxgraph/a/entry"), (0, 1, 0)),
+        (lambda d: (d / "inductor/fxgraph/a/entry").write_bytes(b"short"), (0, 1, 0)),
+        (lambda d: (d / "inductor/xy/new.py").write_text("x = 1\n"), (1, 0, 0)),
+        (lambda d: (d / "inductor/xy/k.py").unlink(), (0, 0, 1)),
+        (lambda d: (d / "inductor/xy/k.py").chmod(0o755), None),  # metadata only: still a no-op
+    ],
+    ids=["edited", "truncated", "added", "removed", "chmod"],
+)
+def test_repeat_restore_reinstalls_a_changed_dest(
+    tmp_path: Path, change, counts: tuple[int, int, int] | None
+) -> None:
+    art = good_archive(tmp_path / "a.kiln.tar.zst", FILES)
+    dest = tmp_path / "cache"
+    first = restore(art, dest)
+    change(dest)
+    for pin in (None, first.sha256):  # pinned: decided before the lock; unpinned: after hashing
+        events: list = []
+        again = restore(art, dest, sha256=pin, on_event=events.append)
+        said = [e for e in events if isinstance(e, DestChanged)]
+        if counts is None:
+            assert again.noop and not said
+            continue
+        assert not again.noop and again.sha256 == first.sha256
+        assert [(e.added, e.changed, e.removed) for e in said] == [counts]
+        assert said[0].message.startswith(f"{dest} changed since it was installed (")
+        assert said[0].message.endswith("): re-installing")
+        assert {k: v for k, v in tree(dest).items() if k.startswith("inductor/")} == FILES
+        assert restore(art, dest, sha256=pin).noop  # installed again: a no-op once more
+        change(dest)
+
+
+def test_cli_says_dest_changed_and_reinstalls(tmp_path: Path, cli) -> None:
+    art = good_archive(tmp_path / "a.kiln.tar.zst", FILES)
+    dest = tmp_path / "cache"
+    assert cli("restore", art, "--dest", dest, no_torch=True).returncode == 0
+    (dest / "inductor/xy/extra.so").write_bytes(b"\x7fELF")
+    _edit_same_size(dest / "inductor/fxgraph/a/entry")
+    proc = cli("restore", art, "--dest", dest, "--json", no_torch=True)
+    assert proc.returncode == 0, proc.stderr
+    assert json.loads(proc.stdout)["noop"] is False
+    assert (
+        f"warning: {dest} changed since it was installed (1 file added, 1 changed, 0 removed): "
+        "re-installing"
+    ) in " ".join(proc.stderr.split())
+    assert not (dest / "inductor/xy/extra.so").exists()
+    proc = cli("restore", art, "--dest", dest, "--json", no_torch=True)
+    assert json.loads(proc.stdout)["noop"] is True and "changed" not in proc.stderr
 
 
 def test_refuses_to_replace_foreign_folder(tmp_path: Path) -> None:

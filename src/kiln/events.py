@@ -141,6 +141,25 @@ class Recovered(_Event):
     source: str = Field(alias="from")
 
 
+class DestChanged(_Event):
+    """Restore found DEST changed since it was installed (:mod:`kiln.artifact.drift`): it
+    installs the artifact again instead of calling it a no-op."""
+
+    event: Literal["dest_changed"] = "dest_changed"
+    dest: str
+    added: int
+    changed: int
+    removed: int
+
+    @property
+    def message(self) -> str:
+        files = "file" if self.added == 1 else "files"
+        return (
+            f"{self.dest} changed since it was installed ({self.added} {files} added, "
+            f"{self.changed} changed, {self.removed} removed): re-installing"
+        )
+
+
 WorkerEvent = Annotated[
     WorkerStarted | BucketStarted | BucketDone | FirstPassDone, Field(discriminator="event")
 ]
@@ -161,6 +180,7 @@ Event = (
     | Fetched
     | Extracting
     | Recovered
+    | DestChanged
 )
 EventSink = Callable[[Event], None]
 

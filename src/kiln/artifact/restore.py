@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import dataclasses
 import errno
+import functools
 import json
 import os
 import shutil
@@ -34,13 +35,14 @@ from kiln.artifact.archive import (
 )
 from kiln.artifact.attestation import AttestationCheck, verify_attestation
 from kiln.artifact.bundle import Candidate, Choice, Selector, key_of, unpack
+from kiln.artifact.drift import Changes, changes, stamp
 from kiln.artifact.extract import HashingReader, check_stage, extract, require_space
 from kiln.artifact.machine import Machine
 from kiln.artifact.manifest import MANIFEST_NAME, Manifest
 from kiln.artifact.storage import DEFAULT_TIMEOUT, check_timeout, fetch, is_remote, parse_digest
 from kiln.artifact.swap import UNWRITABLE, Lock, clean_stale, dest_path, make_staging, recover, swap
 from kiln.errors import IntegrityError, KilnError, UsageError
-from kiln.events import EventSink, Fetched, Fetching, ignore
+from kiln.events import DestChanged, EventSink, Fetched, Fetching, ignore
 from kiln.files import CHUNK, atomic_write
 from kiln.serving import (
     ENV_NAME,
@@ -89,10 +91,29 @@ class RestoreResult:
 class Installed:
     """What DEST holds: the artifact's digest and manifest, and the bundle it came from."""
 
+    dest: Path
     digest: str
     manifest: Manifest
     bundle_sha256: str | None = None
     variant: str | None = None
+    stamp_ns: int | None = None  # the install's newest file change (kiln.artifact.drift)
+
+    @functools.cached_property
+    def changes(self) -> Changes:
+        """How DEST differs from what was installed there (usually: not at all)."""
+        return changes(self.dest, self.manifest, self.stamp_ns)
+
+    def satisfies(self, digest: str, selector: Selector) -> tuple[bool, Choice | None]:
+        """Whether restoring the artifact or bundle ``digest`` here changes nothing: the one
+        place a no-op is decided. Also the variant choice to report then (None: not a bundle).
+        A DEST changed since it was installed (:attr:`changes`) is never a no-op."""
+        if self.digest == digest:
+            # --variant with a plain artifact's digest: the full path says what is wrong.
+            noop, choice = selector.variant is None, None
+        else:
+            choice = self.from_bundle(digest, selector)
+            noop = choice is not None
+        return noop and not self.changes, choice
 
     def from_bundle(self, bundle: str, selector: Selector) -> Choice | None:
         """The installed variant as this restore's choice, when it is ``bundle``'s and still
@@ -140,11 +161,14 @@ def _installed(dest: Path) -> Installed | None:
     sha, variant = (
         (bundle.get("sha256"), bundle.get("variant")) if isinstance(bundle, dict) else (None, None)
     )
+    stamp_ns = state.get("stamp_ns")
     return Installed(
+        dest,
         digest,
         manifest,
         sha if isinstance(sha, str) else None,
         variant if isinstance(variant, str) else None,
+        stamp_ns if isinstance(stamp_ns, int) and not isinstance(stamp_ns, bool) else None,
     )
 
 
@@ -218,10 +242,11 @@ def restore(
         # The installed digest is checked before the lock: a no-op needs no write anywhere, so
         # it works in a read-only parent folder too.
         installed = _installed(dest)
-        noop, choice = _noop_for(installed, pin, selector)
-        if noop and installed is not None:
-            _check_dest(dest)
-            return _attested(_noop(dest, installed, env_file, t0, choice), trust)
+        if installed is not None:
+            noop, choice = installed.satisfies(pin, selector)
+            if noop:
+                _check_dest(dest)
+                return _attested(_noop(dest, installed, env_file, t0, choice), trust)
     try:
         dest.parent.mkdir(parents=True, exist_ok=True)
         lock = Lock(dest)
@@ -237,20 +262,6 @@ def restore(
         )
     finally:
         lock.release()
-
-
-def _noop_for(
-    installed: Installed | None, digest: str, selector: Selector
-) -> tuple[bool, Choice | None]:
-    """Whether restoring the artifact or bundle ``digest`` over ``installed`` changes nothing,
-    and the variant choice to report then (None: not a bundle)."""
-    if installed is None:
-        return False, None
-    if installed.digest == digest:
-        # --variant with a plain artifact's digest: the full path says what is wrong.
-        return selector.variant is None, None
-    choice = installed.from_bundle(digest, selector)
-    return choice is not None, choice
 
 
 def _attested(result: RestoreResult, trust: AttestationCheck | None) -> RestoreResult:
@@ -278,10 +289,18 @@ def _restore_unwritable(
             if trust is not None:
                 trust.check_subject(fetched.sha256)
             installed = _installed(dest)
-            noop, choice = _noop_for(installed, fetched.sha256, selector)
-            if noop and installed is not None:
-                _check_dest(dest)
-                return _noop(dest, installed, env_file, t0, choice)
+            if installed is not None:
+                noop, choice = installed.satisfies(fetched.sha256, selector)
+                if noop:
+                    _check_dest(dest)
+                    return _noop(dest, installed, env_file, t0, choice)
+    installed = _installed(dest)
+    if installed is not None and installed.changes:
+        raise UsageError(
+            f"{dest}: changed since it was installed ({installed.changes.describe()}), and "
+            f"{dest.parent} is not writable ({exc.strerror}): restore needs a lock file and a "
+            f"staging folder beside {dest.name} to install it again"
+        )
     raise UsageError(
         f"{dest.parent}: not writable ({exc.strerror}); restore needs a lock file and a "
         f"staging folder beside {dest.name} (only restoring the installed digest works here)"
@@ -303,9 +322,20 @@ def _restore_locked(
     _check_dest(dest)
     clean_stale(dest)
     installed = _installed(dest)
-    if pin is not None:
-        noop, choice = _noop_for(installed, pin, selector)
-        if noop and installed is not None:
+    if installed is not None and installed.changes:
+        found = installed.changes
+        emit(
+            DestChanged(
+                dest=str(dest),
+                added=len(found.added),
+                changed=len(found.changed),
+                removed=len(found.removed),
+            )
+        )
+        installed = None  # what DEST holds is no longer what was installed: never a no-op
+    if pin is not None and installed is not None:
+        noop, choice = installed.satisfies(pin, selector)
+        if noop:
             return _noop(dest, installed, env_file, t0, choice)
     staging = make_staging(dest)
     try:
@@ -375,6 +405,9 @@ def _restore_locked(
             (tree / link).parent.mkdir(parents=True, exist_ok=True)
             (tree / link).symlink_to(LOCKS_TARGET)
         check_stage(tree, dest, manifest)
+        # Stamped last: a later repeat restore hashes only files changed after this.
+        state["stamp_ns"] = stamp(tree, manifest)
+        (tree / STATE_NAME).write_text(json.dumps(state))
         swap(tree, dest)
     except OSError as exc:
         if exc.errno == errno.ENOSPC:

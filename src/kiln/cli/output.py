@@ -39,6 +39,7 @@ from kiln.errors import ExitCode, KilnError
 from kiln.events import (
     BucketDone,
     BucketStarted,
+    DestChanged,
     Event,
     Extracting,
     Fetched,
@@ -136,7 +137,7 @@ class Output:
                 disable=not enabled,
             ) as byte_bars,
         ):
-            sink = _ProgressSink(bars, byte_bars, self if not enabled else None)
+            sink = _ProgressSink(bars, byte_bars, self if not enabled else None, self.warn)
             yield sink
 
 
@@ -148,8 +149,14 @@ class _ProgressSink:
     silent; during ``kiln bench`` each line says which mode (and run) it belongs to.
     """
 
-    def __init__(self, bars: Progress, byte_bars: Progress, plain: Output | None) -> None:
-        self.bars, self.byte_bars, self.plain = bars, byte_bars, plain
+    def __init__(
+        self,
+        bars: Progress,
+        byte_bars: Progress,
+        plain: Output | None,
+        warn: Callable[[str], None],
+    ) -> None:
+        self.bars, self.byte_bars, self.plain, self.warn = bars, byte_bars, plain, warn
         self.tasks: dict[str, TaskID] = {}
         self.buckets = 0
         self.label = ""  # the bench mode the next events belong to ("" outside bench)
@@ -203,6 +210,8 @@ class _ProgressSink:
             case Extracting() as e:
                 task = self._task(self.byte_bars, "extract", "unpack", e.total)
                 self.byte_bars.update(task, completed=e.bytes, total=e.total)
+            case DestChanged() as e:  # shown with or without a terminal, even with --quiet
+                self.warn(e.message)
             case _:
                 pass
 

@@ -1,0 +1,86 @@
+"""Has an installed folder changed since restore wrote it? Torch-free.
+
+A repeat restore of the installed digest is a no-op, which is only right while DEST still holds
+what was installed: a file edited, added or deleted there (by hand, by a process that writes
+into the cache) must be noticed and the artifact installed again. Checking must stay cheap,
+because a no-op restore runs at every pod start: one ``lstat`` per file, and only files whose
+size differs from the manifest's, or whose inode changed (``st_ctime``, which no user can set
+back) after the install was stamped, are read and hashed.
+"""
+
+from __future__ import annotations
+
+import os
+import stat
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from kiln.artifact.archive import sha256_file
+from kiln.artifact.manifest import Manifest
+from kiln.serving import ENV_NAME, LOCKS_TARGET, MANIFEST_NAME, STATE_NAME, lock_links
+
+
+@dataclass(frozen=True)
+class Changes:
+    """What differs between DEST and the manifest it was installed from (posix paths)."""
+
+    added: list[str] = field(default_factory=list)
+    changed: list[str] = field(default_factory=list)
+    removed: list[str] = field(default_factory=list)
+
+    def __bool__(self) -> bool:
+        return bool(self.added or self.changed or self.removed)
+
+    def describe(self) -> str:
+        """``3 files added, 1 changed, 0 removed``."""
+        return (
+            f"{len(self.added)} file{'s' if len(self.added) != 1 else ''} added, "
+            f"{len(self.changed)} changed, {len(self.removed)} removed"
+        )
+
+
+def stamp(folder: Path, manifest: Manifest) -> int:
+    """The newest inode change among the manifest's files in ``folder`` (ns): recorded at
+    install, after which a file whose ``st_ctime`` is later has been touched since."""
+    newest = 0
+    for entry in manifest.entries():
+        newest = max(newest, os.lstat(folder / entry.path).st_ctime_ns)
+    return newest
+
+
+def changes(dest: Path, manifest: Manifest, stamp_ns: int | None) -> Changes:
+    """How ``dest`` differs from ``manifest``. Besides the manifest's files, DEST holds only
+    restore's own (manifest, env file, state, the lock links to :data:`LOCKS_TARGET`); any
+    other file is an addition. ``stamp_ns`` None (an install by an older kiln): sizes only."""
+    expected = {entry.path: entry for entry in manifest.entries()}
+    own = {MANIFEST_NAME, ENV_NAME, STATE_NAME}
+    links = set(lock_links(manifest.world_size))
+    added: list[str] = []
+    changed: list[str] = []
+    seen: set[str] = set()
+    for root, dirs, files in os.walk(dest):
+        for name in (*dirs, *files):
+            full = Path(root, name)
+            rel = full.relative_to(dest).as_posix()
+            try:
+                st = full.lstat()
+            except FileNotFoundError:
+                continue  # gone since the walk listed it: counted as removed below
+            entry = expected.get(rel)
+            if entry is None:
+                lock_link = rel in links and stat.S_ISLNK(st.st_mode)
+                if rel in own or stat.S_ISDIR(st.st_mode):
+                    continue
+                if not (lock_link and str(full.readlink()) == LOCKS_TARGET):
+                    added.append(rel)
+                continue
+            seen.add(rel)
+            touched = stamp_ns is not None and st.st_ctime_ns > stamp_ns
+            if (
+                not stat.S_ISREG(st.st_mode)
+                or st.st_size != entry.size
+                or (touched and sha256_file(full) != entry.sha256)
+            ):
+                changed.append(rel)
+    removed = sorted(set(expected) - seen)
+    return Changes(sorted(added), sorted(changed), removed)
