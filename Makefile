@@ -1,8 +1,10 @@
 # One entry point for a fresh machine. `make demo` runs kiln's main job on the bundled example
 # (bake → restore → verify, on CPU); `make test` runs lint and the whole test suite (what CI
 # runs); `make test-fast` runs lint and the tests that are neither `slow` (real torch.compile in
-# fresh processes) nor `gpu`, for the edit-test loop.
+# fresh processes) nor `gpu`, for the edit-test loop. Both spread the tests over JOBS pytest-xdist
+# workers (default: one per core; JOBS=0 runs them in this process).
 PYTHON ?= python3
+JOBS ?= auto
 VENV ?= .venv
 BIN := $(VENV)/bin
 # The pinned CPU build goes in first: a bare `torch` requirement would pull a multi-GB CUDA build.
@@ -24,10 +26,10 @@ lint: venv
 	$(BIN)/ruff format --check src tests examples scripts
 
 test: lint
-	$(BIN)/python -m pytest -q
+	$(BIN)/python -m pytest -q -n $(JOBS)
 
 test-fast: lint
-	$(BIN)/python -m pytest -q -m "not slow and not gpu"
+	$(BIN)/python -m pytest -q -n $(JOBS) -m "not slow and not gpu"
 
 demo: venv
 	$(BIN)/kiln bake configs/tiny-gpt.yaml -o out/tiny-gpt.kiln.tar.zst

@@ -3,10 +3,13 @@
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import os
+import pickle
 import signal
 import subprocess
 import sys
+import tempfile
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -20,6 +23,10 @@ NO_TORCH = "import sys; sys.modules['torch'] = None; sys.modules['triton'] = Non
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    # Slow tests first (a stable sort: file order otherwise): spread over xdist workers, the
+    # minutes-long bakes start at once and the quick tests fill in behind them, instead of one
+    # long bake starting last while the other workers sit idle.
+    items.sort(key=lambda item: "slow" not in item.keywords)
     try:
         import torch
 
@@ -98,16 +105,56 @@ def cli(tmp_path: Path) -> Cli:
     return Cli(tmp_path)
 
 
+@pytest.fixture(scope="session", autouse=True)
+def own_tmpdir(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
+    """This test process's own ``TMPDIR``: a bake works in ``$TMPDIR/kiln-bake-UID/NAME`` under a
+    lock per spec name, so without it the xdist workers (and any other test run on the machine)
+    would bake their ``tiny-mlp`` one after the other."""
+    tmp = tmp_path_factory.mktemp("tmpdir", numbered=False)
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("TMPDIR", str(tmp))
+        mp.setattr(tempfile, "tempdir", None)  # re-read from TMPDIR on next use
+        yield tmp
+
+
+def shared_dir(tmp_path_factory: pytest.TempPathFactory, name: str) -> Path:
+    """A folder every xdist worker of this run sees (the session's own without xdist)."""
+    base = tmp_path_factory.getbasetemp()
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        base = base.parent  # pytest-N/popen-gwK -> pytest-N, shared by the workers
+    folder = base / name
+    folder.mkdir(exist_ok=True)
+    return folder
+
+
+@contextlib.contextmanager
+def once(folder: Path) -> Iterator[bool]:
+    """Hold ``folder``'s lock; yields whether its work is still to do. Leaving the block without
+    an error marks it done, so the first process does the work and the others wait and reuse it."""
+    with open(folder / ".lock", "a+b") as lock:
+        fcntl.flock(lock.fileno(), fcntl.LOCK_EX)
+        done = folder / ".done"
+        todo = not done.exists()
+        yield todo
+        if todo:
+            done.touch()
+
+
 @pytest.fixture(scope="session")
 def baked(tmp_path_factory: pytest.TempPathFactory):
-    """One real CPU bake of a 3-bucket MLP, shared by the tests that read artifacts."""
-    import kiln
-
-    d = tmp_path_factory.mktemp("baked")
+    """One real CPU bake of a 3-bucket MLP, shared by the tests that read artifacts: made once
+    per test run, by whichever xdist worker first needs it."""
+    d = shared_dir(tmp_path_factory, "baked")
     spec_path = d / "spec.yaml"
-    spec_path.write_text(mlp_spec())
-    result = kiln.bake(spec_path, d / "tiny-mlp.kiln.tar.zst")
-    return spec_path, result
+    saved = d / "result.pickle"
+    with once(d) as todo:
+        if todo:
+            import kiln
+
+            spec_path.write_text(mlp_spec())
+            result = kiln.bake(spec_path, d / "tiny-mlp.kiln.tar.zst")
+            saved.write_bytes(pickle.dumps(result))
+    return spec_path, pickle.loads(saved.read_bytes())
 
 
 @pytest.fixture

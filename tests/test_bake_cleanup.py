@@ -10,6 +10,8 @@ import sys
 import time
 from pathlib import Path
 
+import pytest
+
 from tests.conftest import mlp_spec
 
 
@@ -24,6 +26,7 @@ def _pids_running(needle: str) -> list[int]:
     return found
 
 
+@pytest.mark.slow  # a real bake in a fresh process, stopped while it compiles
 def test_sigterm_during_a_bake_kills_the_worker_and_removes_its_folders(tmp_path: Path) -> None:
     tmp = tmp_path / "tmp"  # the bake's temporary root, so that leftovers are this test's own
     tmp.mkdir()
