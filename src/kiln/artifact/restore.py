@@ -137,7 +137,7 @@ class Installed:
         )
 
 
-def _installed(dest: Path) -> Installed | None:
+def read_installed(dest: Path) -> Installed | None:
     """What is installed in ``dest``, read without a lock and without writing.
 
     Both files are read through one descriptor of the folder: a concurrent swap exchanges whole
@@ -241,7 +241,7 @@ def restore(
     if pin is not None:
         # The installed digest is checked before the lock: a no-op needs no write anywhere, so
         # it works in a read-only parent folder too.
-        installed = _installed(dest)
+        installed = read_installed(dest)
         if installed is not None:
             noop, choice = installed.satisfies(pin, selector)
             if noop:
@@ -288,13 +288,13 @@ def _restore_unwritable(
         with fetch(source, dest.parent) as fetched:
             if trust is not None:
                 trust.check_subject(fetched.sha256)
-            installed = _installed(dest)
+            installed = read_installed(dest)
             if installed is not None:
                 noop, choice = installed.satisfies(fetched.sha256, selector)
                 if noop:
                     _check_dest(dest)
                     return _noop(dest, installed, env_file, t0, choice)
-    installed = _installed(dest)
+    installed = read_installed(dest)
     if installed is not None and installed.changes:
         raise UsageError(
             f"{dest}: changed since it was installed ({installed.changes.describe()}), and "
@@ -321,7 +321,7 @@ def _restore_locked(
     recover(dest, emit)
     _check_dest(dest)
     clean_stale(dest)
-    installed = _installed(dest)
+    installed = read_installed(dest)
     if installed is not None and installed.changes:
         found = installed.changes
         emit(

@@ -23,8 +23,10 @@ from dataclasses import dataclass, field
 from pathlib import Path, PurePosixPath
 from typing import Any
 
-from kiln.artifact.archive import read_manifest, sha256_file
+from kiln.artifact.archive import read_manifest
+from kiln.artifact.drift import changes
 from kiln.artifact.manifest import BucketStats, GraphBreak, Manifest
+from kiln.artifact.restore import read_installed
 from kiln.compiler.check import CheckReport, compare_manifest
 from kiln.compiler.dynamo_log import RESUME_FRAME
 from kiln.compiler.launch import WorkerRun, run_worker
@@ -35,13 +37,9 @@ from kiln.files import atomic_write
 from kiln.grid import expand, ordered
 from kiln.serving import (
     BYTECODE_DIR,
-    ENV_NAME,
     INDUCTOR_DIR,
-    MANIFEST_NAME,
     PRECOMPILED_NAME,
-    STATE_NAME,
     cache_env,
-    lock_links,
     rank_dir,
     served_torch_kwargs,
 )
@@ -149,25 +147,15 @@ def changed_line(changes: Sequence[str]) -> str:
 
 
 def folder_changes(cache: Path, manifest: Manifest) -> list[str]:
-    """How ``cache`` differs from what restore installed, by content: ``+name`` (added),
-    ``-name`` (removed), ``~name`` (changed). kiln's own files and links are not the artifact's."""
-    listed = {e.path: e.sha256 for e in manifest.entries()}
-    own = {MANIFEST_NAME, ENV_NAME, STATE_NAME, *lock_links(manifest.world_size)}
-    found: set[str] = set()
-    out: list[str] = []
-    for path in sorted(cache.rglob("*")):
-        rel = path.relative_to(cache).as_posix()
-        if rel in own or any(rel.startswith(f"{link}/") for link in own):
-            continue
-        if path.is_symlink() or not path.is_file():
-            continue
-        found.add(rel)
-        if rel not in listed:
-            out.append(f"+{rel}")
-        elif sha256_file(path) != listed[rel]:
-            out.append(f"~{rel}")
-    out += [f"-{rel}" for rel in sorted(set(listed) - found)]
-    return out
+    """How ``cache`` differs from what restore installed there (:mod:`kiln.artifact.drift`):
+    ``+name`` added, ``~name`` changed, ``-name`` removed."""
+    state = read_installed(cache)
+    found = state.changes if state is not None else changes(cache, manifest, None)
+    return (
+        [f"+{p}" for p in found.added]
+        + [f"~{p}" for p in found.changed]
+        + [f"-{p}" for p in found.removed]
+    )
 
 
 def data_dependent_break(bucket: BucketStats, breaks: Sequence[GraphBreak]) -> GraphBreak | None:
