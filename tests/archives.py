@@ -525,3 +525,22 @@ HOSTILE_BUNDLES: list[Hostile] = [
         manifest_level=False,
     ),
 ]
+
+
+# --- Python bytecode as a bake ships it (kiln.bytecode) ----------------------------------------
+
+PYC_TAG = "cpython-312"
+
+
+def pyc(source: str, text: bytes = b"X = 1\n", *, checked: bool = True) -> tuple[str, bytes, dict]:
+    """(path in the artifact, bytes, FileEntry fields) of the bytecode of ``source`` (an absolute
+    path) as holding ``text``: a hash-based pyc, checked or not, as ``py_compile`` writes it."""
+    import importlib._bootstrap_external as ext  # the writer py_compile itself uses
+    import importlib.util
+
+    head, _, name = source.rpartition("/")
+    path = f"bytecode{head}/{name.removesuffix('.py')}.{PYC_TAG}.pyc"
+    source_hash = importlib.util.source_hash(text)
+    data = bytes(ext._code_to_hash_pyc(compile(text, source, "exec"), source_hash, checked))
+    fields = {"kind": "bytecode", "source": source, "source_hash": source_hash.hex()}
+    return path, data, fields
