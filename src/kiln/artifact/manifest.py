@@ -357,7 +357,10 @@ class Distributed(_Model):
             )
         for r in self.ranks:
             if r.same_as not in (None, 0):
-                raise ValueError(f"rank {r.rank} is served from rank {r.same_as}: only 0 or itself")
+                raise ValueError(
+                    f"rank {r.rank}: same_as {r.same_as}: only 0 (rank 0's caches) or null "
+                    "(its own)"
+                )
         return self
 
 
