@@ -342,7 +342,13 @@ def write_bundle_raw(
 
 
 CPU_KEY = {"device": "cpu", "torch": "2.13.0+cpu"}
-GPU_KEY = {"device": "cuda", "gpu": "NVIDIA H200", "capability": "9.0", "torch": "2.11.0+cu130"}
+GPU_KEY = {
+    "device": "cuda",
+    "gpu": "NVIDIA H200",
+    "capability": "9.0",
+    "torch": "2.11.0+cu130",
+    "cuda": "13.0",
+}
 
 
 def _artifact_bytes(tmp: Path, files: dict[str, bytes] | None = None) -> bytes:
@@ -359,9 +365,10 @@ def _bundle(
     index changed by ``edit``, the members by ``members`` (default: each variant, in order)."""
 
     def build(path: Path) -> Path:
-        cpu = (cpu_artifact or _artifact_bytes)(path.with_suffix(".cpu"))
-        gpu = _artifact_bytes(path.with_suffix(".gpu"), {"inductor/g": b"gpu"})
-        variants = {"cpu": (cpu, CPU_KEY), "h200": (gpu, GPU_KEY)}
+        cpu = (cpu_artifact or _cpu_variant)(path.with_suffix(".cpu"))
+        gpu = variant_archive(path.with_suffix(".gpu"), H200_FP, {"inductor/g": b"gpu"})
+        gpu_bytes = gpu.read_bytes()
+        variants = {"cpu": (cpu, CPU_KEY), "h200": (gpu_bytes, GPU_KEY)}
         index = bundle_index_for(variants)
         if edit is not None:
             edit(index)
@@ -370,6 +377,11 @@ def _bundle(
         return write_bundle_raw(path, index, listed)
 
     return build
+
+
+def _cpu_variant(path: Path) -> bytes:
+    """The cpu variant: its manifest's fingerprint selects it as CPU_KEY does."""
+    return variant_archive(path, CPU_FP, FILES).read_bytes()
 
 
 def _hostile_variant(path: Path) -> bytes:
@@ -516,6 +528,14 @@ HOSTILE_BUNDLES: list[Hostile] = [
         "bundle-variant-hostile",
         _bundle(cpu_artifact=_hostile_variant),
         "LD_PRELOAD",
+        manifest_level=False,
+    ),
+    # the index calls the variant what its manifest is not (the CPU artifact an H100 one, here
+    # another torch build): installed on a machine the manifest never matched
+    Hostile(
+        "bundle-key-lies",
+        _bundle(edit=_set_cpu(torch="2.99.0+cpu")),
+        r"the bundle index says cpu · torch 2\.99\.0\+cpu, its manifest cpu · torch 2\.13\.0",
         manifest_level=False,
     ),
     Hostile(

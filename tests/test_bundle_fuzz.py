@@ -32,12 +32,15 @@ from kiln.artifact.machine import (
 from kiln.artifact.restore import restore
 from kiln.errors import IncompatibleError, IntegrityError, UsageError
 from tests.archives import (
+    CPU_FP,
     CPU_KEY,
     GPU_KEY,
+    H200_FP,
     bundle_index_for,
     good_archive,
     reg,
     tree,
+    variant_archive,
     write_bundle_raw,
 )
 from tests.conftest import hard_limit
@@ -56,8 +59,8 @@ def workdir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 def _variants(root: Path) -> dict[str, tuple[bytes, dict[str, Any]]]:
-    cpu = good_archive(root / "cpu.kiln.tar.zst").read_bytes()
-    gpu = good_archive(root / "gpu.kiln.tar.zst", {"inductor/g": b"gpu"}).read_bytes()
+    cpu = variant_archive(root / "cpu.kiln.tar.zst", CPU_FP).read_bytes()
+    gpu = variant_archive(root / "gpu.kiln.tar.zst", H200_FP, {"inductor/g": b"gpu"}).read_bytes()
     return {"cpu": (cpu, CPU_KEY), "h200": (gpu, GPU_KEY)}
 
 
