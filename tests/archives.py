@@ -18,7 +18,7 @@ from typing import Any
 
 import zstandard
 
-from kiln.artifact.manifest import MAX_FILES, MAX_MANIFEST_BYTES, FileEntry, Manifest
+from kiln.artifact.manifest import MAX_FILES, MAX_MANIFEST_BYTES, Bytecode, FileEntry, Manifest
 
 FILES = {"inductor/fxgraph/a/entry": b"A" * 1000, "inductor/xy/k.py": b"print(1)\n"}
 
@@ -197,6 +197,52 @@ def _folder_flood(path: Path) -> Path:
     return _raw(path, _tar_bytes(_manifest_blocks(), folder * 10_000, *files))
 
 
+# --- Python bytecode as a bake ships it (kiln.bytecode) ----------------------------------------
+
+PYC_TAG = "cpython-312"
+
+
+def pyc(source: str, text: bytes = b"X = 1\n", *, checked: bool = True) -> tuple[str, bytes, dict]:
+    """(path in the artifact, bytes, FileEntry fields) of the bytecode of ``source`` (an absolute
+    path) as holding ``text``: a hash-based pyc, checked or not, as ``py_compile`` writes it."""
+    import importlib._bootstrap_external as ext  # the writer py_compile itself uses
+    import importlib.util
+
+    head, _, name = source.rpartition("/")
+    path = f"bytecode{head}/{name.removesuffix('.py')}.{PYC_TAG}.pyc"
+    source_hash = importlib.util.source_hash(text)
+    data = bytes(ext._code_to_hash_pyc(compile(text, source, "exec"), source_hash, checked))
+    fields = {"kind": "bytecode", "source": source, "source_hash": source_hash.hex()}
+    return path, data, fields
+
+
+def _bytecode(
+    source: str = "/usr/lib/python3.12/json/decoder.py",
+    *,
+    checked: bool = True,
+    fields: dict[str, Any] | None = None,
+    path: str | None = None,
+    header_text: bytes | None = None,
+) -> Callable[[Path], Path]:
+    """A builder: FILES plus one pyc of ``source`` (its entry's fields changed by ``fields``,
+    stored at ``path``; its header's source hash that of ``header_text`` if given)."""
+
+    def build(out: Path) -> Path:
+        at, data, listed = pyc(source, checked=checked)
+        if header_text is not None:
+            data = pyc(source, header_text, checked=checked)[1]
+        at = path or at
+        files = {**FILES, at: data}
+        manifest = manifest_for(files, bytecode=Bytecode(python=PYC_TAG, modules=1))
+        body = manifest.model_dump(mode="json")
+        for entry in body["files"]:
+            if entry["path"] == at:
+                entry.update({**listed, **(fields or {})})
+        return write_archive(out, body, [reg(p, d) for p, d in sorted(files.items())])
+
+    return build
+
+
 LONG = "inductor/" + "a" * 4991  # 5,000 characters
 MARKUP = "inductor/[/bold]x"  # rich markup: crashed the error printer
 
@@ -267,6 +313,48 @@ HOSTILE: list[Hostile] = [
         "add up to",
     ),
     Hostile("format-zero", _with_manifest(format=0), "format"),
+    # Python bytecode (issue 27, item 1): only checked-hash pycs of the library modules the
+    # manifest lists, by source path and source hash, each where Python would look for it
+    Hostile("bytecode-app-module", _bytecode("/app/server.py"), "not a library module"),
+    Hostile(
+        "bytecode-relative",
+        _bytecode("usr/lib/python3.12/a.py", path="bytecode/usr/lib/python3.12/a.cpython-312.pyc"),
+        "not an absolute, normalized path",
+    ),
+    Hostile(
+        "bytecode-no-source",
+        _bytecode(fields={"source": None}),
+        "bytecode 'bytecode/usr/.*' names no source",
+    ),
+    Hostile("bytecode-bad-hash", _bytecode(fields={"source_hash": "xyz"}), "source_hash"),
+    Hostile(
+        "bytecode-elsewhere",
+        _bytecode(path="bytecode/usr/lib/python3.12/json/encoder.cpython-312.pyc"),
+        "is not where Python looks for",
+    ),
+    Hostile(
+        "bytecode-kind-outside",
+        _bytecode(path="inductor/xy/decoder.cpython-312.pyc"),
+        "bytecode outside bytecode/",
+    ),
+    Hostile("bytecode-other-kind", _bytecode(fields={"kind": "other"}), "kind 'other' under"),
+    Hostile(
+        "bytecode-no-python",
+        _with_manifest({"bytecode/x.pyc": b"x"}, edit=lambda d: d.update(bytecode=None)),
+        "no bytecode section",
+    ),
+    Hostile(
+        "bytecode-unchecked",
+        _bytecode(checked=False),
+        "not a checked-hash pyc",
+        manifest_level=False,
+    ),
+    Hostile(
+        "bytecode-other-source",
+        _bytecode(header_text=b"import os; os.system('touch pwned')\n"),
+        "source hash",
+        manifest_level=False,
+    ),
     # tar-level bombs
     Hostile("pax-bomb", _pax_bomb, "header"),
     Hostile("pax-chain", _pax_chain, "header"),
@@ -545,22 +633,3 @@ HOSTILE_BUNDLES: list[Hostile] = [
         manifest_level=False,
     ),
 ]
-
-
-# --- Python bytecode as a bake ships it (kiln.bytecode) ----------------------------------------
-
-PYC_TAG = "cpython-312"
-
-
-def pyc(source: str, text: bytes = b"X = 1\n", *, checked: bool = True) -> tuple[str, bytes, dict]:
-    """(path in the artifact, bytes, FileEntry fields) of the bytecode of ``source`` (an absolute
-    path) as holding ``text``: a hash-based pyc, checked or not, as ``py_compile`` writes it."""
-    import importlib._bootstrap_external as ext  # the writer py_compile itself uses
-    import importlib.util
-
-    head, _, name = source.rpartition("/")
-    path = f"bytecode{head}/{name.removesuffix('.py')}.{PYC_TAG}.pyc"
-    source_hash = importlib.util.source_hash(text)
-    data = bytes(ext._code_to_hash_pyc(compile(text, source, "exec"), source_hash, checked))
-    fields = {"kind": "bytecode", "source": source, "source_hash": source_hash.hex()}
-    return path, data, fields

@@ -44,7 +44,7 @@ from kiln.artifact.manifest import (
     ShardInfo,
 )
 from kiln.compiler import inlaunch, ranks
-from kiln.compiler.capture import capture, capture_tree, payload_sha256
+from kiln.compiler.capture import capture, capture_bytecode, payload_sha256
 from kiln.compiler.dynamo_log import merge_breaks
 from kiln.compiler.launch import WorkerRun, run_worker
 from kiln.compiler.protocol import WorkerRequest, input_stream
@@ -175,7 +175,7 @@ def _capture(spec: Spec, work: Path) -> tuple[list[FileEntry], ranks.Stored | No
     """The files of ``work``'s layout; for K ranks, each rank's under ``ranks/R/``, stored once
     where ranks share them (:func:`kiln.compiler.ranks.store_once`; the rest are copies)."""
     if spec.distributed is None:
-        files = capture(work) + capture_tree(work / BYTECODE_DIR, BYTECODE_DIR)  # ranks ship none
+        files = capture(work) + capture_bytecode(work / BYTECODE_DIR)  # ranks ship none
         return sorted(files, key=lambda e: e.path), None
     by_rank = []
     for rank in range(spec.world_size):
