@@ -145,7 +145,11 @@ LIMIT_CPU_S = 30
 
 
 def limited_cli(
-    cwd: Path, *args: object, memory: int = LIMIT_MEMORY, cpu_s: int = LIMIT_CPU_S
+    cwd: Path,
+    *args: object,
+    memory: int = LIMIT_MEMORY,
+    cpu_s: int = LIMIT_CPU_S,
+    env: dict[str, str] | None = None,
 ) -> subprocess.CompletedProcess[str]:
     """``kiln ARGS`` without torch in a child limited to ``memory`` bytes of address space and
     ``cpu_s`` CPU seconds (and four times that in wall time)."""
@@ -160,7 +164,7 @@ def limited_cli(
     return subprocess.run(
         [sys.executable, "-c", code],
         cwd=cwd,
-        env={**os.environ, "NO_COLOR": "1", "COLUMNS": "200"},
+        env={**os.environ, "NO_COLOR": "1", "COLUMNS": "200", **(env or {})},
         capture_output=True,
         text=True,
         timeout=4 * cpu_s,

@@ -346,8 +346,9 @@ class _Baker:
         files, stored = self._captured[1]
         warnings = _warnings(self.runs, self.pass_stats, proof, proof_warning)
         runs, stats = self.runs, self.pass_stats
-        manifest = _manifest(self.spec, self.buckets, runs, stats, files, warnings, proof)
-        manifest.bytecode = self._bytecode
+        manifest = _manifest(
+            self.spec, self.buckets, runs, stats, files, warnings, proof, self._bytecode
+        )
         if stored is not None:
             manifest = _with_ranks(self.spec, manifest, runs, stored)
         if self.shard is not None:
@@ -479,6 +480,7 @@ def _manifest(
     files: list[Any],
     warnings: list[str],
     proof: ProofStats | None,
+    bytecode: Bytecode | None = None,
 ) -> Manifest:
     first = runs[0]
     frames = _frames(spec, first, files)
@@ -518,6 +520,7 @@ def _manifest(
         megacache=MEGACACHE_NAME if any(f.path == MEGACACHE_NAME for f in files) else None,
         precompiled=PRECOMPILED_NAME if any(f.path == PRECOMPILED_NAME for f in files) else None,
         precompiled_frames=frames,
+        bytecode=bytecode,  # with the files: the manifest checks each pyc against it
         compile_kwargs=torch_kwargs(spec.compile),
         graph_breaks=_graph_breaks(runs),
         warnings=warnings,
