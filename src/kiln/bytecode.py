@@ -35,7 +35,6 @@ import subprocess
 import sys
 import sysconfig
 from collections.abc import Iterable
-from dataclasses import dataclass
 from pathlib import Path, PurePosixPath
 
 # A module every torch.compile process imports: if its bytecode is cached, torch's is.
@@ -190,28 +189,6 @@ def write(sources: Iterable[str], dest: Path) -> int:
         check=True,
     )
     return int(proc.stdout)
-
-
-@dataclass(frozen=True)
-class ImportState:
-    """What :func:`use` changes in a process, as it was: restored when the caller gives up."""
-
-    prefix: str | None
-    dont_write: bool
-    env: dict[str, str | None]
-
-    @classmethod
-    def now(cls) -> ImportState:
-        env = {k: os.environ.get(k) for k in _CHILD_ENV}
-        return cls(sys.pycache_prefix, sys.dont_write_bytecode, env)
-
-    def restore(self) -> None:
-        sys.pycache_prefix, sys.dont_write_bytecode = self.prefix, self.dont_write
-        for key, value in self.env.items():
-            if value is None:
-                os.environ.pop(key, None)
-            else:
-                os.environ[key] = value
 
 
 def use(folder: Path) -> str | None:

@@ -54,7 +54,6 @@ from kiln.artifact.keys import (
 from kiln.artifact.manifest import Manifest
 from kiln.artifact.storage import DEFAULT_TIMEOUT, Deadline, read_small, scheme_of
 from kiln.artifact.storage.base import ATTESTATION_SUFFIX, json_object
-from kiln.artifact.storage.file import local_path
 from kiln.errors import IntegrityError, KilnError, NotFoundError, UsageError
 from kiln.files import atomic_write
 
@@ -592,6 +591,8 @@ def _fetch_attestation(location: str, timeout: float) -> bytes:
 def _unreadable(location: str, exc: KilnError) -> IntegrityError:
     """Exit 3 for an attestation that could not be read: restore never goes on without it."""
     if scheme_of(location) == "file":
+        from kiln.artifact.storage.file import local_path  # imported only for a local path
+
         with contextlib.suppress(OSError):
             mode = local_path(location).stat().st_mode
             if not stat.S_ISREG(mode):
