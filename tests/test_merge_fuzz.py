@@ -24,7 +24,7 @@ from pathlib import Path
 from typing import Any
 
 import zstandard
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
 from kiln.artifact.archive import read_manifest
@@ -50,10 +50,11 @@ SPEC.write_text(mlp_spec())  # 3 buckets: shards 0/2 and 1/2
 
 def _megacache(records: list[tuple[str, bytes]]) -> bytes:
     text = base64.b64encode(b"inductor")
-    body = struct.pack(">QQ", 1, len(text)) + text + struct.pack(">Q", len(records))
+    parts = [struct.pack(">QQ", 1, len(text)), text, struct.pack(">Q", len(records))]
     for key, content in records:
         k = base64.b64encode(key.encode())
-        body += struct.pack(">Q", len(k)) + k + struct.pack(">Q", len(content)) + content
+        parts += [struct.pack(">Q", len(k)), k, struct.pack(">Q", len(content)), content]
+    body = b"".join(parts)
     return struct.pack(">I", zlib.crc32(body)) + body
 
 
@@ -107,13 +108,26 @@ pickle_ops = st.lists(
         st.integers(0, 255).map(lambda n: b"q" + bytes([n])),
         st.integers(0, 2**64 - 1).map(lambda n: b"\x95" + struct.pack("<Q", n)),
         st.binary(min_size=1, max_size=4),
+        # what made unpickling costly: a huge memo index, marks and references by the million
+        st.sampled_from([b"r\x00\x00\x00\x10", b"r\xff\xff\xff\x7f", b"j\xff\xff\xff\x7f"]),
+        st.integers(1, 1_000_000).map(lambda n: b"(" * n),
+        st.integers(1, 500_000).map(lambda n: b"h\x01a" * n),
     ),
     max_size=40,
 ).map(b"".join)
 
 
+# Found by hand before this fuzzer (issue 27): a 2 GiB memo, 200 GB of hashing. Always run.
+HUGE_MEMO = b"\x80\x04]r\x00\x00\x00\x10."
+SHARED_REFERENCE = (
+    b"\x80\x04]\x94B\x00\x00\x10\x00" + b"x" * (1 << 20) + b"\x94a" + b"h\x01a" * 200_000
+)
+
+
 @LIMITED
 @given(pickle_ops | mutated_bytes(PRECOMPILED))
+@example(HUGE_MEMO)
+@example(SHARED_REFERENCE + b".")
 def test_any_precompiled_forwards(data: bytes) -> None:
     with tempfile.TemporaryDirectory(dir=ROOT) as tmp:
         work = Path(tmp)
@@ -122,7 +136,10 @@ def test_any_precompiled_forwards(data: bytes) -> None:
 
 @st.composite
 def megacache_bytes(draw: st.DrawFn) -> bytes:
-    """A mutated Mega-Cache blob, its CRC recomputed more often than not (else it stops there)."""
+    """A mutated Mega-Cache blob, its CRC recomputed more often than not (else it stops there);
+    or one of up to 400,000 empty artifacts (4M took 1.2 GB and 40 s to read)."""
+    if draw(st.integers(0, 3)) == 0:
+        return _megacache([("", b"")] * draw(st.integers(0, 400_000)))
     data = draw(mutated_bytes(MEGACACHE))
     if len(data) > 4 and draw(st.booleans()):
         data = struct.pack(">I", zlib.crc32(data[4:])) + data[4:]
@@ -131,6 +148,7 @@ def megacache_bytes(draw: st.DrawFn) -> bytes:
 
 @LIMITED
 @given(megacache_bytes())
+@example(_megacache([("", b"")] * 400_000))
 def test_any_megacache_blob(data: bytes) -> None:
     with tempfile.TemporaryDirectory(dir=ROOT) as tmp:
         work = Path(tmp)
@@ -147,8 +165,14 @@ FUZZED_FILES = {
 SHARD_KEYS = ["files", "grid", "shard", "megacache", "precompiled", "bytecode", "spec", "name",
               "fingerprint", "created", "format", "distributed", "copies"]  # fmt: skip
 ENTRY_KEYS = ["path", "size", "sha256", "kind", "source", "source_hash"]
-CLASHING = ["inductor/th", "inductor/th/kernel.so/x", "megacache.bin/x", "precompiled.bin",
-            "bytecode/usr/lib/python3.12/a.cpython-312.pyc", "inductor/fxgraph"]  # fmt: skip
+_GOOD_ONLY = sorted({f.path for f in read_manifest(GOOD).files} - set(FUZZED_FILES))
+# Paths the other shard has as files (here: folders) or folders (here: files), and others.
+CLASHING = [
+    *(f"{p}/x" for p in _GOOD_ONLY),
+    *(p.rsplit("/", 1)[0] for p in _GOOD_ONLY),
+    "bytecode/usr/lib/python3.12/a.cpython-312.pyc",
+    "inductor/fxgraph",
+]
 
 
 @st.composite
@@ -178,8 +202,18 @@ def mutated_shards(draw: st.DrawFn) -> tuple[dict[str, Any], dict[str, bytes]]:
     return data, files
 
 
+def _clash(path: str) -> tuple[dict[str, Any], dict[str, bytes]]:
+    """The shard with one more file, at ``path``."""
+    data = json.loads(json.dumps(FUZZED_MANIFEST))
+    entry = {"path": path, "size": 1, "sha256": hashlib.sha256(b"x").hexdigest(), "kind": "other"}
+    data["files"].append(entry)
+    return data, {**FUZZED_FILES, path: b"x"}
+
+
 @LIMITED
 @given(mutated_shards())
+@example(_clash(CLASHING[0]))  # a file inside what the other shard has as a file (issue 27)
+@example(_clash(CLASHING[len(_GOOD_ONLY)]))  # a file where the other shard has a folder
 def test_any_shard_manifest(shard: tuple[dict[str, Any], dict[str, bytes]]) -> None:
     data, files = shard
     with tempfile.TemporaryDirectory(dir=ROOT) as tmp:
