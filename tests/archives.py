@@ -18,7 +18,7 @@ from typing import Any
 
 import zstandard
 
-from kiln.artifact.manifest import MAX_FILES, MAX_MANIFEST_BYTES, FileEntry, Manifest
+from kiln.artifact.manifest import MAX_FILES, MAX_MANIFEST_BYTES, Bytecode, FileEntry, Manifest
 
 FILES = {"inductor/fxgraph/a/entry": b"A" * 1000, "inductor/xy/k.py": b"print(1)\n"}
 
@@ -197,6 +197,52 @@ def _folder_flood(path: Path) -> Path:
     return _raw(path, _tar_bytes(_manifest_blocks(), folder * 10_000, *files))
 
 
+# --- Python bytecode as a bake ships it (kiln.bytecode) ----------------------------------------
+
+PYC_TAG = "cpython-312"
+
+
+def pyc(source: str, text: bytes = b"X = 1\n", *, checked: bool = True) -> tuple[str, bytes, dict]:
+    """(path in the artifact, bytes, FileEntry fields) of the bytecode of ``source`` (an absolute
+    path) as holding ``text``: a hash-based pyc, checked or not, as ``py_compile`` writes it."""
+    import importlib._bootstrap_external as ext  # the writer py_compile itself uses
+    import importlib.util
+
+    head, _, name = source.rpartition("/")
+    path = f"bytecode{head}/{name.removesuffix('.py')}.{PYC_TAG}.pyc"
+    source_hash = importlib.util.source_hash(text)
+    data = bytes(ext._code_to_hash_pyc(compile(text, source, "exec"), source_hash, checked))
+    fields = {"kind": "bytecode", "source": source, "source_hash": source_hash.hex()}
+    return path, data, fields
+
+
+def _bytecode(
+    source: str = "/usr/lib/python3.12/json/decoder.py",
+    *,
+    checked: bool = True,
+    fields: dict[str, Any] | None = None,
+    path: str | None = None,
+    header_text: bytes | None = None,
+) -> Callable[[Path], Path]:
+    """A builder: FILES plus one pyc of ``source`` (its entry's fields changed by ``fields``,
+    stored at ``path``; its header's source hash that of ``header_text`` if given)."""
+
+    def build(out: Path) -> Path:
+        at, data, listed = pyc(source, checked=checked)
+        if header_text is not None:
+            data = pyc(source, header_text, checked=checked)[1]
+        at = path or at
+        files = {**FILES, at: data}
+        manifest = manifest_for(files, bytecode=Bytecode(python=PYC_TAG, modules=1))
+        body = manifest.model_dump(mode="json")
+        for entry in body["files"]:
+            if entry["path"] == at:
+                entry.update({**listed, **(fields or {})})
+        return write_archive(out, body, [reg(p, d) for p, d in sorted(files.items())])
+
+    return build
+
+
 LONG = "inductor/" + "a" * 4991  # 5,000 characters
 MARKUP = "inductor/[/bold]x"  # rich markup: crashed the error printer
 
@@ -267,6 +313,48 @@ HOSTILE: list[Hostile] = [
         "add up to",
     ),
     Hostile("format-zero", _with_manifest(format=0), "format"),
+    # Python bytecode (issue 27, item 1): only checked-hash pycs of the library modules the
+    # manifest lists, by source path and source hash, each where Python would look for it
+    Hostile("bytecode-app-module", _bytecode("/app/server.py"), "not a library module"),
+    Hostile(
+        "bytecode-relative",
+        _bytecode("usr/lib/python3.12/a.py", path="bytecode/usr/lib/python3.12/a.cpython-312.pyc"),
+        "not an absolute, normalized path",
+    ),
+    Hostile(
+        "bytecode-no-source",
+        _bytecode(fields={"source": None}),
+        "bytecode 'bytecode/usr/.*' names no source",
+    ),
+    Hostile("bytecode-bad-hash", _bytecode(fields={"source_hash": "xyz"}), "source_hash"),
+    Hostile(
+        "bytecode-elsewhere",
+        _bytecode(path="bytecode/usr/lib/python3.12/json/encoder.cpython-312.pyc"),
+        "is not where Python looks for",
+    ),
+    Hostile(
+        "bytecode-kind-outside",
+        _bytecode(path="inductor/xy/decoder.cpython-312.pyc"),
+        "bytecode outside bytecode/",
+    ),
+    Hostile("bytecode-other-kind", _bytecode(fields={"kind": "other"}), "kind 'other' under"),
+    Hostile(
+        "bytecode-no-python",
+        _with_manifest({"bytecode/x.pyc": b"x"}, edit=lambda d: d.update(bytecode=None)),
+        "no bytecode section",
+    ),
+    Hostile(
+        "bytecode-unchecked",
+        _bytecode(checked=False),
+        "not a checked-hash pyc",
+        manifest_level=False,
+    ),
+    Hostile(
+        "bytecode-other-source",
+        _bytecode(header_text=b"import os; os.system('touch pwned')\n"),
+        "source hash",
+        manifest_level=False,
+    ),
     # tar-level bombs
     Hostile("pax-bomb", _pax_bomb, "header"),
     Hostile("pax-chain", _pax_chain, "header"),
@@ -347,7 +435,13 @@ def write_bundle_raw(
 
 
 CPU_KEY = {"device": "cpu", "torch": "2.13.0+cpu"}
-GPU_KEY = {"device": "cuda", "gpu": "NVIDIA H200", "capability": "9.0", "torch": "2.11.0+cu130"}
+GPU_KEY = {
+    "device": "cuda",
+    "gpu": "NVIDIA H200",
+    "capability": "9.0",
+    "torch": "2.11.0+cu130",
+    "cuda": "13.0",
+}
 
 
 def _artifact_bytes(tmp: Path, files: dict[str, bytes] | None = None) -> bytes:
@@ -364,9 +458,10 @@ def _bundle(
     index changed by ``edit``, the members by ``members`` (default: each variant, in order)."""
 
     def build(path: Path) -> Path:
-        cpu = (cpu_artifact or _artifact_bytes)(path.with_suffix(".cpu"))
-        gpu = _artifact_bytes(path.with_suffix(".gpu"), {"inductor/g": b"gpu"})
-        variants = {"cpu": (cpu, CPU_KEY), "h200": (gpu, GPU_KEY)}
+        cpu = (cpu_artifact or _cpu_variant)(path.with_suffix(".cpu"))
+        gpu = variant_archive(path.with_suffix(".gpu"), H200_FP, {"inductor/g": b"gpu"})
+        gpu_bytes = gpu.read_bytes()
+        variants = {"cpu": (cpu, CPU_KEY), "h200": (gpu_bytes, GPU_KEY)}
         index = bundle_index_for(variants)
         if edit is not None:
             edit(index)
@@ -375,6 +470,11 @@ def _bundle(
         return write_bundle_raw(path, index, listed)
 
     return build
+
+
+def _cpu_variant(path: Path) -> bytes:
+    """The cpu variant: its manifest's fingerprint selects it as CPU_KEY does."""
+    return variant_archive(path, CPU_FP, FILES).read_bytes()
 
 
 def _hostile_variant(path: Path) -> bytes:
@@ -521,6 +621,14 @@ HOSTILE_BUNDLES: list[Hostile] = [
         "bundle-variant-hostile",
         _bundle(cpu_artifact=_hostile_variant),
         "LD_PRELOAD",
+        manifest_level=False,
+    ),
+    # the index calls the variant what its manifest is not (the CPU artifact an H100 one, here
+    # another torch build): installed on a machine the manifest never matched
+    Hostile(
+        "bundle-key-lies",
+        _bundle(edit=_set_cpu(torch="2.99.0+cpu")),
+        r"the bundle index says cpu · torch 2\.99\.0\+cpu, its manifest cpu · torch 2\.13\.0",
         manifest_level=False,
     ),
     Hostile(

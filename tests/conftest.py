@@ -182,3 +182,38 @@ def hard_limit(seconds: float) -> Iterator[None]:
     finally:
         signal.setitimer(signal.ITIMER_REAL, 0)
         signal.signal(signal.SIGALRM, previous)
+
+
+# What a hostile input may cost `kiln merge`/`kiln restore` in the fuzz and hostile-input
+# tests: address space and CPU seconds, enforced by the kernel in the child (resource.setrlimit),
+# so a bomb ends the child (MemoryError, SIGXCPU) instead of the test machine.
+LIMIT_MEMORY = 1 << 30
+LIMIT_CPU_S = 30
+
+
+def limited_cli(
+    cwd: Path,
+    *args: object,
+    memory: int = LIMIT_MEMORY,
+    cpu_s: int = LIMIT_CPU_S,
+    env: dict[str, str] | None = None,
+) -> subprocess.CompletedProcess[str]:
+    """``kiln ARGS`` without torch in a child limited to ``memory`` bytes of address space and
+    ``cpu_s`` CPU seconds (and four times that in wall time)."""
+    import resource
+
+    def limit() -> None:
+        resource.setrlimit(resource.RLIMIT_AS, (memory, memory))
+        resource.setrlimit(resource.RLIMIT_CPU, (cpu_s, cpu_s))
+
+    argv = ["kiln", *map(str, args)]
+    code = f"import sys; {NO_TORCH}sys.argv = {argv!r}; from kiln.cli import main; main()"
+    return subprocess.run(
+        [sys.executable, "-c", code],
+        cwd=cwd,
+        env={**os.environ, "NO_COLOR": "1", "COLUMNS": "200", **(env or {})},
+        capture_output=True,
+        text=True,
+        timeout=4 * cpu_s,
+        preexec_fn=limit,
+    )

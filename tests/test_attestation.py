@@ -659,3 +659,73 @@ def test_an_endless_attestation_is_refused_as_it_arrives(
     with scripted_http(script) as url, pytest.raises(IntegrityError, match="more than"):
         restore(f"{url}/{art.name}", tmp_path / "c", verify_keys=[str(key.public)])
     assert not (tmp_path / "c").exists()
+
+
+def _signed_payload(path: Path, key: KeyPair, payload: bytes) -> None:
+    """An envelope over ``payload`` that ``key`` really signed (no statement kiln would write)."""
+    from securesystemslib.dsse import Envelope
+
+    from kiln.artifact.keys import load_signing_key
+
+    envelope = Envelope(payload, PAYLOAD_TYPE, {})
+    envelope.sign(load_signing_key(str(key.private)).signer)
+    path.write_text(json.dumps(envelope.to_dict()) + "\n")
+
+
+def test_a_signed_but_deeply_nested_statement_is_exit_3(
+    tmp_path: Path, art: Path, key: KeyPair, cli
+) -> None:
+    """Issue 27, item 6: a payload of 100k nested arrays, validly signed, was a RecursionError."""
+    _signed_payload(Path(f"{art}.intoto.jsonl"), key, b"[" * 100_000 + b"]" * 100_000)
+    proc = cli("restore", art, "--dest", tmp_path / "d", "--verify-key", key.public, no_torch=True)
+    assert proc.returncode == 3, proc.stderr
+    assert "not JSON" in one_error(proc.stderr)
+    assert not (tmp_path / "d").exists()
+
+
+def _answer(status: str):
+    def script(x) -> None:
+        if status == "loop":
+            x.redirect(x.path)  # to itself, for ever
+        else:
+            x.head(status, Content_Length=0)
+
+    return script
+
+
+@pytest.mark.parametrize("status", ["403 Forbidden", "500 Internal Server Error", "loop"])
+def test_an_attestation_url_that_fails_is_exit_3(
+    tmp_path: Path, art: Path, key: KeyPair, cli, status: str
+) -> None:
+    """Issue 27, item 6: "a missing or unreadable attestation: exit 3" (these were exit 1)."""
+    from tests.servers import scripted_http
+
+    with scripted_http(_answer(status)) as url:
+        proc = cli(
+            "restore", art, "--dest", tmp_path / "d", "--verify-key", key.public,
+            "--attestation", f"{url}/a.intoto.jsonl", "--timeout", "20", no_torch=True,
+        )  # fmt: skip
+    assert proc.returncode == 3, proc.stderr
+    assert "cannot read the attestation" in one_error(proc.stderr)
+    assert not (tmp_path / "d").exists()
+
+
+@pytest.mark.parametrize("which", ["fifo", "/dev/zero", "folder"])
+def test_an_attestation_that_is_not_a_file_is_exit_3(
+    tmp_path: Path, art: Path, key: KeyPair, cli, which: str
+) -> None:
+    """Issue 27, item 6: was exit 2 worded "not an artifact file"."""
+    where = tmp_path / "att"
+    if which == "fifo":
+        os.mkfifo(where)
+    elif which == "folder":
+        where.mkdir()
+    else:
+        where = Path(which)
+    proc = cli(
+        "restore", art, "--dest", tmp_path / "d", "--verify-key", key.public,
+        "--attestation", where, no_torch=True,
+    )  # fmt: skip
+    assert proc.returncode == 3, proc.stderr
+    assert f"{where}: not an attestation file" in one_error(proc.stderr)
+    assert not (tmp_path / "d").exists()

@@ -267,3 +267,28 @@ def test_cli_inspect_lists_the_variants(bundle: Path, cli) -> None:
     assert data["bundle"] is True
     assert [v["name"] for v in data["variants"]] == [v.name for v in read_head(bundle).variants]
     assert {v["gpu"] for v in data["variants"]} == {None, "NVIDIA H200", "NVIDIA A100-SXM4-80GB"}
+
+
+def test_an_index_that_names_another_machine_than_the_manifest_is_exit_3(
+    tmp_path: Path, variants: dict[str, Path], installed: Path, cli
+) -> None:
+    """Issue 27, item 3: an index that called the CPU artifact "H100" installed it on an H100
+    with exit 0 ("matches NVIDIA H100 … 9.0"). The key must be what the variant's manifest
+    says, whichever way the variant is chosen."""
+    from tests.archives import bundle_index_for, reg, write_bundle_raw
+
+    data = variants["cpu"].read_bytes()
+    h100 = {"device": "cuda", "gpu": "NVIDIA H100", "capability": "9.0", "torch": "2.13.0+cpu"}
+    index = bundle_index_for({"h100": (data, h100)})
+    lie = write_bundle_raw(
+        tmp_path / "lie.kiln.tar.zst", index, [reg("variants/h100.kiln.tar.zst", data)]
+    )
+    before = tree(installed)
+    on_h100 = Machine((Gpu("NVIDIA H100", "9.0"),), "nvidia-smi")
+    for how in ({"machine": on_h100}, {"variant": "h100"}):
+        with pytest.raises(IntegrityError, match=r"the bundle index says NVIDIA H100 9\.0"):
+            restore(lie, installed, **how)
+        assert tree(installed) == before
+    proc = cli("restore", lie, "--dest", installed, "--variant", "h100", no_torch=True)
+    assert proc.returncode == 3, proc.stderr
+    assert "its manifest cpu · torch 2.13.0+cpu" in proc.stderr

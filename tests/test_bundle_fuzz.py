@@ -11,13 +11,14 @@ from __future__ import annotations
 
 import io
 import json
+import shutil
 import tempfile
 from pathlib import Path
 from typing import Any
 
 import pytest
 import zstandard
-from hypothesis import given
+from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import kiln
@@ -32,16 +33,26 @@ from kiln.artifact.machine import (
 from kiln.artifact.restore import restore
 from kiln.errors import IncompatibleError, IntegrityError, UsageError
 from tests.archives import (
+    CPU_FP,
     CPU_KEY,
     GPU_KEY,
+    H200_FP,
     bundle_index_for,
     good_archive,
     reg,
     tree,
+    variant_archive,
     write_bundle_raw,
 )
-from tests.conftest import hard_limit
-from tests.test_manifest_fuzz import FUZZ, _acceptable, json_values, mutated_bytes, odd_values
+from tests.conftest import hard_limit, limited_cli
+from tests.test_manifest_fuzz import (
+    _DEEP,
+    FUZZ,
+    _acceptable,
+    json_values,
+    mutated_bytes,
+    odd_values,
+)
 
 # Choosing can also fail as documented: no variant for this machine (5), several or an unknown
 # --variant (2).
@@ -56,8 +67,8 @@ def workdir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 def _variants(root: Path) -> dict[str, tuple[bytes, dict[str, Any]]]:
-    cpu = good_archive(root / "cpu.kiln.tar.zst").read_bytes()
-    gpu = good_archive(root / "gpu.kiln.tar.zst", {"inductor/g": b"gpu"}).read_bytes()
+    cpu = variant_archive(root / "cpu.kiln.tar.zst", CPU_FP).read_bytes()
+    gpu = variant_archive(root / "gpu.kiln.tar.zst", H200_FP, {"inductor/g": b"gpu"}).read_bytes()
     return {"cpu": (cpu, CPU_KEY), "h200": (gpu, GPU_KEY)}
 
 
@@ -162,3 +173,52 @@ def test_gpu_parsers_on_any_output(text: str) -> None:
         assert gpu.name and gpu.name.isprintable() and len(gpu.name) <= MAX_GPU_NAME
         assert gpu.name == " ".join(gpu.name.split())
         assert gpu.capability is None or CAPABILITY.fullmatch(gpu.capability)
+
+
+# --- under hard limits, as users run it (issue 27) ----------------------------------------------
+
+LIMITED = settings(FUZZ, max_examples=int(_DEEP or 15))  # a process per example
+
+
+INSTALLED = Path(tempfile.mkdtemp(prefix="kiln-fuzz-")) / "installed"
+kiln.restore(good_archive(INSTALLED.with_suffix(".zst"), {"inductor/old": b"old"}), INSTALLED)
+
+
+def check_limited(work: Path, art: Path, *args: str) -> None:
+    """``kiln restore BUNDLE`` in a child held to 1 GiB and 30 CPU seconds
+    (:func:`tests.conftest.limited_cli`): a documented exit (0, 2, 3 or 5) within them, nothing
+    written outside ``--dest`` (TMPDIR included), and DEST as it was unless it succeeded."""
+    dest = work / "dest"
+    shutil.copytree(INSTALLED, dest)
+    (work / "tmp").mkdir()
+    before = {p.relative_to(work).as_posix() for p in work.rglob("*")}
+    old = tree(dest)
+    proc = limited_cli(
+        work, "restore", art, "--dest", dest, *args, env={"TMPDIR": str(work / "tmp")}
+    )
+    assert proc.returncode in (0, 2, 3, 5), (proc.returncode, proc.stderr[-2000:])
+    assert "Traceback" not in proc.stderr and "internal error" not in proc.stderr, proc.stderr
+    after = {p.relative_to(work).as_posix() for p in work.rglob("*")}
+    outside = {p for p in after ^ before if p != "dest" and not p.startswith("dest/")}
+    assert outside == set(), outside
+    if proc.returncode != 0:
+        assert tree(dest) == old
+
+
+@LIMITED
+@given(mutated_indexes(), st.sampled_from([(), ("--variant", "cpu"), ("--variant", "h200")]))
+def test_any_index_restores_within_limits(data: dict[str, Any], args: tuple[str, ...]) -> None:
+    with tempfile.TemporaryDirectory() as tmp:
+        work = Path(tmp)
+        art = write_bundle_raw(work / "b.kiln.tar.zst", json.dumps(data).encode(), MEMBERS)
+        check_limited(work, art, *args)
+
+
+@LIMITED
+@given(mutated_bytes(VALID_TAR))
+def test_any_bundle_bytes_restore_within_limits(data: bytes) -> None:
+    with tempfile.TemporaryDirectory() as tmp:
+        work = Path(tmp)
+        art = work / "m.kiln.tar.zst"
+        art.write_bytes(zstandard.ZstdCompressor().compress(data))
+        check_limited(work, art)

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import compileall
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -71,12 +72,7 @@ if sys.argv[3] == "bake":
     )
     cached.write_bytes(bytes(data))
     raise SystemExit
-before = bytecode.ImportState.now()
 print(bytecode.uncached_reason() is not None, bytecode.use(folder))
-if sys.argv[3] == "give up":  # as activate(compat="fail") does before raising
-    before.restore()
-    print(bytecode.ImportState.now() == before)
-    raise SystemExit
 sys.path.insert(0, str(pkg))
 import mod
 served = bytecode.served_modules(folder)
@@ -114,11 +110,14 @@ def test_shipped_bytecode_serves_an_image_without_its_own(tmp_path: Path) -> Non
     # Child interpreters (Inductor's compile workers) import from it too, and write nothing.
     assert _serve(folder, pkg, "serve", empty)[1:] == ["from the prefix 1 True", "True 1"]
     assert len([p for p in folder.rglob("*") if p.is_file()]) == 2  # left as restored
-    assert _serve(folder, pkg, "give up", empty)[1] == "True"
     # Where torch's bytecode is cached (this venv), a prefix would only cost: not used; nor
     # under -O, where Python looks for .opt-1 files the artifact does not hold.
     assert _serve(folder, pkg, "serve", None)[:2] == ["False None", "from source 0 False"]
     assert _serve(folder, pkg, "serve", empty, "-O")[:2] == ["True None", "from source 0 False"]
+    # Nor where Python would not compare a pyc with its source: it would run any code.
+    never = _serve(folder, pkg, "serve", empty, "--check-hash-based-pycs", "never")
+    assert never[0].startswith("True the artifact's Python bytecode is unused")
+    assert never[1] == "from source 0 False"
     # A changed source is compiled from source, never served stale.
     (pkg / "mod.py").write_text("SERVED = 'changed'\n")
     assert _serve(folder, pkg, "serve", empty)[1] == "changed 0 True"
@@ -223,3 +222,64 @@ def test_the_spec_decides_whether_a_bake_ships_bytecode(write_spec) -> None:
         load_spec(write_spec(mlp_spec())).sha256()
         == load_spec(write_spec(mlp_spec() + "bytecode: auto\n")).sha256()
     )  # the default leaves spec digests as they were
+
+
+ACTIVATE = """
+import os, sys
+import torch  # from this venv's own bytecode, as a server that imported it first
+from pathlib import Path
+# From here on, no bytecode where Python looks (an image without it), none written.
+sys.pycache_prefix, sys.dont_write_bytecode = sys.argv[2], True
+import kiln
+from kiln.errors import IncompatibleError
+try:
+    kiln.activate(sys.argv[1], compat="fail")
+except IncompatibleError as exc:
+    print("refused:", exc.message.split(":")[0])
+print(os.environ.get("KILN_TEST_SERVED"), sys.pycache_prefix == sys.argv[2])
+"""
+
+
+def test_activate_serves_no_bytecode_before_the_compat_check_passes(tmp_path: Path) -> None:
+    """Issue 27, item 1: a pyc in the artifact ran inside ``activate(compat="fail")`` before
+    the check refused the environment. Here a checked pyc of Dynamo's ``__init__`` (its real
+    source's hash, code that says it was imported) ships with an artifact baked for another
+    torch: activate must refuse without importing anything from it."""
+    import importlib._bootstrap_external as ext
+    import importlib.util
+
+    from kiln.artifact.restore import restore
+    from tests.archives import manifest_for, reg, write_archive
+
+    torch_dir = Path(importlib.util.find_spec("torch").origin).parent
+    tag = sys.implementation.cache_tag
+    files, fields = {}, {}
+    for rel, marker in (("_inductor/compile_fx.py", ""), ("_dynamo/__init__.py", "served")):
+        source = str(torch_dir / rel)
+        text = Path(source).read_bytes()
+        said = f"\nimport os as _o\n_o.environ['KILN_TEST_SERVED'] = {marker!r}\n"
+        code = text + (said.encode() if marker else b"")
+        digest = importlib.util.source_hash(text)
+        path = f"bytecode/{source.lstrip('/')[:-3]}.{tag}.pyc"
+        files[path] = bytes(ext._code_to_hash_pyc(compile(code, source, "exec"), digest, True))
+        fields[path] = {"kind": "bytecode", "source": source, "source_hash": digest.hex()}
+    fingerprint = {"device.type": "cpu", "torch.version": "0.0.1", "python": "3.0.0"}
+    data = manifest_for(files, fingerprint=fingerprint).model_dump(mode="json")
+    data["bytecode"] = {"python": tag, "modules": len(files)}
+    for entry in data["files"]:
+        entry.update(fields[entry["path"]])
+    art = write_archive(
+        tmp_path / "a.kiln.tar.zst", data, [reg(p, d) for p, d in sorted(files.items())]
+    )
+    dest, empty = tmp_path / "cache", tmp_path / "no-pyc"
+    empty.mkdir()
+    restore(art, dest)
+    proc = subprocess.run(
+        [sys.executable, "-c", ACTIVATE, str(dest), str(empty)],
+        capture_output=True,
+        text=True,
+        env={**os.environ, "PYTHONPATH": str(Path(__file__).parents[1] / "src")},
+    )
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.splitlines()[-1] == "None True", proc.stdout  # nothing served; as it was
+    assert proc.stdout.startswith("refused"), proc.stdout

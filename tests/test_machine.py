@@ -131,3 +131,47 @@ def test_detect_is_torch_free() -> None:
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env)
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout.strip() == "cpu"
+
+
+@pytest.mark.parametrize(
+    "script",
+    [
+        "exec /bin/cat /dev/zero",  # stdout without end
+        "exec /bin/cat /dev/zero >&2",  # stderr without end
+        "printf 'NVIDIA H200, 9.0\\n'; exec /bin/cat /dev/zero",  # an answer, then no end
+    ],
+)
+def test_an_endless_nvidia_smi_is_read_only_as_far_as_the_parser_reads(
+    tmp_path: Path, script: str
+) -> None:
+    """Issue 27, item 4: an nvidia-smi writing /dev/zero drove restore to 10 GB of memory. Run
+    in a child limited to 256 MiB of address space: detection must end, within its timeout."""
+    import resource
+    import subprocess
+    import sys
+
+    bindir = fake_smi(tmp_path / "bin", script)
+    code = (
+        "from kiln.artifact.machine import detect; "
+        f"print(detect(proc_root={str(tmp_path / 'proc')!r}, timeout=10).describe())"
+    )
+
+    def limit() -> None:
+        resource.setrlimit(resource.RLIMIT_AS, (256 << 20, 256 << 20))
+
+    t0 = time.monotonic()
+    proc = subprocess.run(
+        [sys.executable, "-c", code],
+        env={**os.environ, "PATH": str(bindir)},
+        capture_output=True,
+        text=True,
+        timeout=60,
+        preexec_fn=limit,
+    )
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert time.monotonic() - t0 < 10  # it stops reading; it does not wait for the timeout
+    said = proc.stdout.strip()
+    if "H200" in script:
+        assert said == "GPU 'NVIDIA H200' (capability 9.0, from nvidia-smi)"
+    else:
+        assert said.startswith("no GPU (nvidia-smi failed"), said

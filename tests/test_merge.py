@@ -8,10 +8,13 @@ them, restores the result at a new path and verifies zero compiles in shuffled o
 
 from __future__ import annotations
 
+import base64
 import hashlib
 import json
 import os
 import pickle
+import struct
+import zlib
 from pathlib import Path
 from typing import Any
 
@@ -24,8 +27,8 @@ from kiln.artifact.merge import merge
 from kiln.errors import IntegrityError, UsageError
 from kiln.grid import Shard, expand, shard_buckets
 from kiln.spec import load_spec
-from tests.archives import reg, write_archive
-from tests.conftest import mlp_spec
+from tests.archives import PYC_TAG, pyc, reg, write_archive
+from tests.conftest import limited_cli, mlp_spec
 
 FINGERPRINT = {
     "device.type": "cpu",
@@ -66,9 +69,11 @@ def shard_artifact(
     precompiled: bytes | None = None,
     name: str | None = None,
     bytecode: Bytecode | None = None,
+    fields: dict[str, dict[str, Any]] | None = None,
 ) -> Path:
     """Shard ``index``/``count`` of the spec as `kiln bake --shard` writes it, by hand: the
-    buckets the shard owns, one FX entry per bucket, SHARED, and optional blobs."""
+    buckets the shard owns, one FX entry per bucket, SHARED, and optional blobs; ``fields``
+    replaces entries' fields (kind, a pyc's source) by path."""
     spec = load_spec(spec_path)
     buckets = shard_buckets(expand(spec), Shard(index, count))
     content = dict(SHARED)
@@ -85,9 +90,9 @@ def shard_artifact(
         (root / path).parent.mkdir(parents=True, exist_ok=True)
         (root / path).write_bytes(data)
         kind = {"megacache.bin": "megacache", "precompiled.bin": "precompile"}.get(path, "other")
-        kind = "bytecode" if path.startswith("bytecode/") else kind
         digest = hashlib.sha256(data).hexdigest()
-        entries.append(FileEntry(path=path, size=len(data), sha256=digest, kind=kind))
+        values = {"path": path, "size": len(data), "sha256": digest, "kind": kind}
+        entries.append(FileEntry(**{**values, **(fields or {}).get(path, {})}))
     manifest = Manifest(
         name=spec.name,
         created=created,
@@ -322,22 +327,148 @@ def test_an_unmergeable_megacache_is_dropped_with_a_warning(
 
 def test_the_shards_python_bytecode_merges_into_one_tree(tmp_path: Path, spec_path: Path) -> None:
     """Each shard ships the bytecode its own passes imported: the merge serves their union."""
-    tag = "cpython-312"
-    pyc = {m: f"bytecode/usr/lib/python3.12/{m}.{tag}.pyc" for m in "abc"}
+    pycs = {m: pyc(f"/usr/lib/python3.12/{m}.py", f"{m} = 1\n".encode()) for m in "abc"}
 
     def shard(i: int, modules: str) -> Path:
-        # Bytes differ per shard (kilns before isolated compiling): the first shard's stay.
-        files = {pyc[m]: f"{m}{i}".encode() for m in modules}
-        shipped = Bytecode(python=tag, modules=len(files)) if files else None
-        return shard_artifact(tmp_path, spec_path, i, 3, files=files, bytecode=shipped)
+        files = {pycs[m][0]: pycs[m][1] for m in modules}
+        fields = {pycs[m][0]: pycs[m][2] for m in modules}
+        shipped = Bytecode(python=PYC_TAG, modules=len(files)) if files else None
+        return shard_artifact(
+            tmp_path, spec_path, i, 3, files=files, bytecode=shipped, fields=fields
+        )
 
     merged = merge([shard(0, "ab"), shard(1, "bc"), shard(2, "")], tmp_path / "m.kiln.tar.zst")
-    assert merged.manifest.bytecode == Bytecode(python=tag, modules=3)
+    assert merged.manifest.bytecode == Bytecode(python=PYC_TAG, modules=3)
     shipped = {f.path: f.sha256 for f in merged.manifest.files if f.kind == "bytecode"}
-    assert sorted(shipped) == sorted(pyc.values())
-    assert shipped[pyc["b"]] == hashlib.sha256(b"b0").hexdigest()
+    assert sorted(shipped) == sorted(p for p, _, _ in pycs.values())
     none = [shard_artifact(tmp_path, spec_path, i, 3, name=f"plain-{i}") for i in range(3)]
     assert merge(none, tmp_path / "n.kiln.tar.zst").manifest.bytecode is None
+
+
+def test_two_bytecode_files_at_one_path_conflict_like_any_other(
+    tmp_path: Path, spec_path: Path, cli
+) -> None:
+    """Issue 27, item 5: conflicts are by content whatever kind the manifest claims (a
+    "bytecode" label once kept shard 0's bytes silently), and the payload digest covers them."""
+    path, _, fields = pyc("/usr/lib/python3.12/a.py", b"a = 1\n")
+    shipped = Bytecode(python=PYC_TAG, modules=1)
+    one, other = (pyc("/usr/lib/python3.12/a.py", b"a = 1\n", checked=c)[1] for c in (1, 0))
+    a = shard_artifact(
+        tmp_path, spec_path, 0, 2, files={path: one}, bytecode=shipped, fields={path: fields}
+    )
+    # Another code object with the same (checked) header: same path, other bytes.
+    swapped = one[:16] + other[16:] + b"\0"
+    b = shard_artifact(
+        tmp_path, spec_path, 1, 2, files={path: swapped}, bytecode=shipped, fields={path: fields}
+    )
+    proc = cli("merge", a, b, "-o", tmp_path / "m.kiln.tar.zst", no_torch=True)
+    assert proc.returncode == 3, proc.stderr
+    assert f"{path!r} differs between shard-0.kiln.tar.zst and shard-1.kiln.tar.zst" in proc.stderr
+    assert not (tmp_path / "m.kiln.tar.zst").exists()
+
+
+def _pickle(*ops: bytes) -> bytes:
+    return b"\x80\x04" + b"".join(ops) + b"."
+
+
+def _binbytes(data: bytes) -> bytes:
+    return b"B" + struct.pack("<I", len(data)) + data
+
+
+def _megacache(kind: str, records: int) -> bytes:
+    """A Mega-Cache blob (torch's format, written by hand) of ``records`` empty artifacts."""
+    text = base64.b64encode(kind.encode())
+    body = struct.pack(">Q", 1) + struct.pack(">Q", len(text)) + text
+    body += struct.pack(">Q", records) + b"\0" * 16 * records  # key "" and content b""
+    return struct.pack(">I", zlib.crc32(body)) + body
+
+
+# Small shards whose blobs ask for unbounded time or memory (issue 27, items 2 and 7): each must
+# end in exit 3 naming the bound, within the limits of tests.conftest.limited_cli.
+HOSTILE_BLOBS = {
+    # one memoized 1 MiB bytes object, referenced 200,000 times: 200 GB to hash
+    "shared-reference": (
+        "precompiled",
+        _pickle(b"]\x94", _binbytes(b"x" * (1 << 20)), b"\x94a", b"h\x01a" * 200_000),
+        "at most 65536 graphs",
+    ),
+    # a 10-byte pickle whose memo index makes the unpickler allocate 2 GiB
+    "memo-index": ("precompiled", _pickle(b"]r\x00\x00\x00\x10"), "memo index 268435456"),
+    # a million open MARKs, then an empty list: once "merged" as no graphs at all
+    "marks": ("precompiled", _pickle(b"(" * 1_000_000, b"]"), "more than"),
+    "empty-list": ("precompiled", _pickle(b"]"), "no graphs"),
+    "open-mark": ("precompiled", _pickle(b"(]", _binbytes(b"g"), b"a"), "MARK"),
+    # 200,000 empty artifacts in a 3 MB blob: 1.2 GB of bookkeeping at 4M
+    "megacache-records": ("megacache", _megacache("inductor", 200_000), "more than 131072"),
+}
+
+
+@pytest.mark.parametrize("case", list(HOSTILE_BLOBS))
+def test_hostile_blobs_end_in_exit_3_within_bounds(
+    tmp_path: Path, spec_path: Path, case: str
+) -> None:
+    which, blob, says = HOSTILE_BLOBS[case]
+    good = {"precompiled": pickle.dumps([b"graph"]), "megacache": _megacache("inductor", 1)}
+    a = shard_artifact(tmp_path, spec_path, 0, 2, **{which: good[which]})
+    b = shard_artifact(tmp_path, spec_path, 1, 2, **{which: blob})
+    out = tmp_path / "out" / "m.kiln.tar.zst"
+    proc = limited_cli(tmp_path, "merge", a, b, "-o", out)
+    assert proc.returncode == 3, (proc.returncode, proc.stderr[-2000:])
+    assert says in proc.stderr
+    assert not out.parent.exists() or list(out.parent.iterdir()) == []
+
+
+def test_a_shard_that_expands_past_the_bound_is_refused_unread(
+    tmp_path: Path, spec_path: Path
+) -> None:
+    """A precompiled.bin of 256 MiB of zeros compresses to a few KB: merge refuses it from the
+    manifest before unpacking a byte (it was unpacked, then read whole into memory)."""
+    size = 256 << 20
+    root = tmp_path / "root-zeros"
+    shard_artifact(tmp_path, spec_path, 1, 2, precompiled=b"", name="zeros")
+    m = read_manifest(tmp_path / "zeros.kiln.tar.zst")
+    with open(root / "precompiled.bin", "r+b") as fh:
+        fh.truncate(size)
+    zeros = hashlib.sha256()
+    chunk = b"\0" * (1 << 20)
+    for _ in range(size >> 20):
+        zeros.update(chunk)
+    files = [
+        f.model_copy(update={"size": size, "sha256": zeros.hexdigest()})
+        if f.path == "precompiled.bin"
+        else f
+        for f in m.files
+    ]
+    bomb = tmp_path / "bomb.kiln.tar.zst"
+    write_artifact(bomb, m.model_copy(update={"files": files}), root)
+    assert bomb.stat().st_size < 1 << 20
+    good = shard_artifact(tmp_path, spec_path, 0, 2, precompiled=pickle.dumps([b"graph"]))
+    out = tmp_path / "out" / "m.kiln.tar.zst"
+    proc = limited_cli(tmp_path, "merge", good, bomb, "-o", out, memory=512 << 20)
+    assert proc.returncode == 3, (proc.returncode, proc.stderr[-2000:])
+    assert "bomb.kiln.tar.zst" in proc.stderr and "1024 times" in proc.stderr
+    assert not out.parent.exists() or list(out.parent.iterdir()) == []
+
+
+def test_a_file_and_a_folder_at_one_path_is_exit_3(tmp_path: Path, spec_path: Path, cli) -> None:
+    """Issue 27, item 6: was FileExistsError (exit 1)."""
+    a = shard_artifact(tmp_path, spec_path, 0, 2, files={"inductor/xy": b"a file"})
+    b = shard_artifact(tmp_path, spec_path, 1, 2, files={"inductor/xy/k.py": b"print(2)\n"})
+    for order in ((a, b), (b, a)):
+        proc = cli("merge", *order, "-o", tmp_path / "m.kiln.tar.zst", no_torch=True)
+        assert proc.returncode == 3, proc.stderr
+        assert "'inductor/xy' is a file in" in proc.stderr and "a folder in" in proc.stderr
+        assert not (tmp_path / "m.kiln.tar.zst").exists()
+        assert not list(tmp_path.glob(".kiln-merge-*"))
+
+
+def test_merge_into_an_existing_folder_is_exit_2(shards: list[Path], tmp_path: Path, cli) -> None:
+    """Issue 27, item 6: was IsADirectoryError (exit 1), after unpacking every shard."""
+    (tmp_path / "taken").mkdir()
+    proc = cli("merge", *shards, "-o", tmp_path / "taken", no_torch=True)
+    assert proc.returncode == 2, proc.stderr
+    assert "is a folder" in proc.stderr
+    assert list((tmp_path / "taken").iterdir()) == []
 
 
 def test_merge_needs_artifacts(tmp_path: Path, cli) -> None:

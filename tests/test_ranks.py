@@ -603,11 +603,13 @@ def rank_shard(
     identical: bool = False,
     rank_fps: list[dict[str, Any]] | None = None,
     name: str | None = None,
+    extra: dict[str, bytes] | None = None,
 ) -> Path:
     """Shard ``index``/``count`` of a 2-rank spec as `kiln bake --shard` writes it, by hand:
     per rank one FX entry per bucket it owns, a kernel every rank and shard compiled (stored
     once, the other rank's a copy), a Mega-Cache blob, and unless ``identical`` a file of the
-    rank's own (so rank 1 is not rank 0's cache and only byte-equal files are shared)."""
+    rank's own (so rank 1 is not rank 0's cache and only byte-equal files are shared), and
+    ``extra`` in every rank's folder."""
     from kiln.artifact.archive import write_artifact
     from kiln.artifact.manifest import BucketStats, PassStats, ShardInfo
     from kiln.artifact.ranks_layout import store_once
@@ -626,6 +628,7 @@ def rank_shard(
         content |= {f"inductor/fxgraph/{b.key}/entry": f"graph {b.key}".encode() for b in buckets}
         if not identical:
             content[f"inductor/own/{rank}.py"] = b"rank %d" % rank
+        content |= extra or {}
         content["megacache.bin"] = megacache_blob(
             {"inductor": [(f"fkey{index}", b"entry %d" % index)], "aot_autograd": []}
         )
@@ -729,6 +732,33 @@ def test_two_rank_shards_merge_rank_by_rank_and_restore(
     assert '/ranks/"$kiln_rank"/inductor' in got["kiln.env"].decode()
     proc = _source(got["kiln.env"].decode(), tmp_path, RANK="1")
     assert proc.stdout.split("|")[0] == f"{dest}/ranks/1/inductor"
+
+
+def test_a_rank_file_that_is_another_shards_folder_is_exit_3(
+    tmp_path: Path, write_spec: Any, cli: Any
+) -> None:
+    """Issue 27, item 6: was FileExistsError (exit 1)."""
+    spec_path = write_spec(tp_spec())
+    a = rank_shard(tmp_path, spec_path, 0, 2, extra={"inductor/xy": b"a file"})
+    b = rank_shard(tmp_path, spec_path, 1, 2, extra={"inductor/xy/k.py": b"k"})
+    proc = cli("merge", a, b, "-o", tmp_path / "m.kiln.tar.zst", no_torch=True)
+    assert proc.returncode == 3, proc.stderr
+    assert "'ranks/0/inductor/xy' is a file in shard-0" in proc.stderr
+    assert not (tmp_path / "m.kiln.tar.zst").exists()
+
+
+def test_same_as_names_what_it_may_be() -> None:
+    """Issue 27, item 7: ``same_as: 1`` on rank 1 was refused as "only 0 or itself"."""
+    ranks = rank_manifest()["distributed"]["ranks"]
+    distributed = {
+        "world_size": 2,
+        "backend": "gloo",
+        "ranks": [ranks[0], {**ranks[1], "same_as": 1}],
+    }
+    with pytest.raises(ValidationError) as info:
+        Manifest.model_validate(rank_manifest(distributed=distributed))
+    message = str(info.value)
+    assert "rank 1: same_as 1" in message and "only 0" in message and "itself" not in message
 
 
 def test_rank_shards_of_another_world_size_are_exit_2(tmp_path: Path, write_spec: Any) -> None:

@@ -49,6 +49,17 @@ def test_payload_digest_ignores_measured_bytes_but_not_keys_or_code() -> None:
     assert [line[:2] for line in payload_diff(base, other_code)] == ["- ", "+ "]
 
 
+def test_a_label_takes_no_file_out_of_the_payload_digest() -> None:
+    """Issue 27, item 5: a file labelled "bytecode" left the digest. Bytecode is code a server
+    runs: it counts by bytes; and the kinds whose bytes do not count (the blob, FX and AOT
+    entries) do so only where their path says they are that."""
+    pyc = "bytecode/usr/lib/python3.12/a.cpython-312.pyc"
+    so = "inductor/ab/k.so"
+    for path, kind in ((pyc, "bytecode"), (so, "megacache"), (so, "fxgraph"), (so, "aotautograd")):
+        one, other = _entry(path, kind, "a"), _entry(path, kind, "b")
+        assert payload_sha256([one]) != payload_sha256([other]), (path, kind)
+
+
 @pytest.mark.slow
 def test_two_bakes_of_one_spec_reproduce_each_other(cli, tmp_path: Path) -> None:
     spec = tmp_path / "spec.yaml"

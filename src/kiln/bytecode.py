@@ -15,21 +15,26 @@ proof) looks there when, and only when, torch's bytecode is missing where it wou
 otherwise (:func:`use`): a prefix replaces ``__pycache__`` for every import, so on an image that
 has its bytecode it would only cost. The files are checked-hash pycs: Python compares each
 with its source's hash before using it, so a changed source (another torch build, a patched
-file) is compiled from source as before, never served stale. They mirror absolute source paths,
-so they serve an image with the bake's layout (the same base image); elsewhere they are unused.
+file) is compiled from source as before, never served stale. Only library modules (under
+``lib/pythonX.Y/``: :func:`library_problem`), each listed in the manifest with its source path
+and hash; restore refuses anything else (kiln.artifact.manifest, kiln.artifact.extract). They
+mirror absolute source paths, so they serve an image with the bake's layout (the same base
+image); elsewhere they are unused.
 
 Torch-free: restore and inspect run without torch, and this looks for files without importing it.
 """
 
 from __future__ import annotations
 
+import _imp
 import importlib.util
+import itertools
 import os
+import re
 import subprocess
 import sys
 import sysconfig
 from collections.abc import Iterable
-from dataclasses import dataclass
 from pathlib import Path, PurePosixPath
 
 # A module every torch.compile process imports: if its bytecode is cached, torch's is.
@@ -74,6 +79,53 @@ def prefix_path(source: str) -> PurePosixPath | None:
     return PurePosixPath(head.lstrip("/")) / name
 
 
+# The folders of an interpreter's own modules on a POSIX system: its standard library and its
+# site-packages live under ``…/lib/pythonX.Y/`` (``lib64``, ``python3`` for Debian's
+# dist-packages, ``pypyX.Y``). An artifact may ship bytecode only for sources there.
+_LIB = frozenset({"lib", "lib64", "lib32"})
+_PYTHON_DIR = re.compile(r"(python|pypy)[0-9]+(\.[0-9]+)?t?")
+# PEP 552 flags of a checked-hash pyc: hash-based (bit 0) and checked against its source (bit 1).
+CHECKED_HASH = 0b11
+
+
+def library_problem(source: str) -> str | None:
+    """Why an artifact may not ship bytecode for ``source``, or None: it must be an absolute,
+    normalized ``.py`` path in a library folder (``…/lib/pythonX.Y/…``, stdlib or
+    site-packages), the only modules kiln ships (:func:`imported_sources`). What restore
+    enforces of a manifest, without knowing the serving image."""
+    head, _, name = source.rpartition("/")
+    parts = head.split("/")[1:]
+    if not source.startswith("/") or os.path.normpath(head or "/") != (head or "/"):
+        return f"{source[:200]!r} is not an absolute, normalized path"
+    if not name.endswith(".py") or name == ".py":
+        return f"{source[:200]!r} is not a .py source"
+    library = any(a in _LIB and _PYTHON_DIR.fullmatch(b) for a, b in itertools.pairwise(parts))
+    if not library:
+        return f"{source[:200]!r} is not a library module (under lib/pythonX.Y/)"
+    return None
+
+
+def pyc_path(source: str, tag: str) -> str:
+    """Where the bytecode of ``source`` (checked by :func:`library_problem`) for the interpreter
+    ``tag`` (``cpython-312``) lies in a ``sys.pycache_prefix`` tree: what :func:`prefix_path`
+    gives in that interpreter, computed here for any (restore may run another Python)."""
+    head, _, name = source.rpartition("/")
+    return f"{head.lstrip('/')}/{name.removesuffix('.py')}.{tag}.pyc"
+
+
+def header_problem(header: bytes, source_hash: str) -> str | None:
+    """Why a pyc's first 16 bytes are not those of a checked-hash pyc of a source whose hash
+    (:func:`importlib.util.source_hash`, hex) is ``source_hash``, or None."""
+    if len(header) < 16:
+        return "shorter than a pyc header"
+    flags = int.from_bytes(header[4:8], "little")
+    if flags != CHECKED_HASH:
+        return f"not a checked-hash pyc (flags {flags:#x}): Python would not compare its source"
+    if header[8:16].hex() != source_hash:
+        return f"its source hash {header[8:16].hex()} is not the manifest's {source_hash}"
+    return None
+
+
 def _library_roots() -> tuple[str, ...]:
     """The interpreter's own folders: the standard library and site-packages. Modules elsewhere
     (the user's code, Inductor's generated modules in the cache folder) are not shipped."""
@@ -88,7 +140,11 @@ def imported_sources() -> list[str]:
     found = set()
     for module in list(sys.modules.values()):
         source = getattr(module, "__file__", None)
-        if isinstance(source, str) and source.endswith(".py") and source.startswith(roots):
+        if (
+            isinstance(source, str)
+            and source.startswith(roots)
+            and library_problem(source) is None  # what restore accepts
+        ):
             found.add(source)
     return sorted(found)
 
@@ -135,39 +191,23 @@ def write(sources: Iterable[str], dest: Path) -> int:
     return int(proc.stdout)
 
 
-@dataclass(frozen=True)
-class ImportState:
-    """What :func:`use` changes in a process, as it was: restored when the caller gives up."""
-
-    prefix: str | None
-    dont_write: bool
-    env: dict[str, str | None]
-
-    @classmethod
-    def now(cls) -> ImportState:
-        env = {k: os.environ.get(k) for k in _CHILD_ENV}
-        return cls(sys.pycache_prefix, sys.dont_write_bytecode, env)
-
-    def restore(self) -> None:
-        sys.pycache_prefix, sys.dont_write_bytecode = self.prefix, self.dont_write
-        for key, value in self.env.items():
-            if value is None:
-                os.environ.pop(key, None)
-            else:
-                os.environ[key] = value
-
-
 def use(folder: Path) -> str | None:
     """Import from ``folder`` (a restored artifact's ``bytecode/``) from now on, when torch's
     bytecode is not cached where this interpreter looks; returns what was done, or None.
 
     Call it before the imports it should serve: kiln's worker does before ``import torch``,
-    ``kiln.activate()`` before Dynamo and Inductor. Writing bytecode is turned off for the
-    process, so the restored folder stays exactly as restored.
+    ``kiln.activate()`` once its compat check passed, before Dynamo and Inductor. Nothing when
+    this interpreter does not check hash-based pycs (``--check-hash-based-pycs never``). Writing
+    bytecode is turned off for the process, so the restored folder stays exactly as restored.
     """
     # Under -O Python looks for .opt-1 pycs, which the artifact does not hold.
     if not folder.is_dir() or sys.flags.optimize or uncached_reason() is None:
         return None
+    if _imp.check_hash_based_pycs == "never":  # it would run them without comparing sources
+        return (
+            "the artifact's Python bytecode is unused: this interpreter does not check "
+            "hash-based pycs against their sources (--check-hash-based-pycs never)"
+        )
     probe = _probe_source()
     rel = prefix_path(str(probe)) if probe else None
     if rel is None or not (folder / rel).is_file():

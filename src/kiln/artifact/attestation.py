@@ -467,7 +467,7 @@ def _parse_envelope(doc: Mapping[str, Any]) -> _Parsed:
 def _statement(payload: bytes) -> dict[str, Any]:
     try:
         statement = json.loads(payload)
-    except ValueError:
+    except (ValueError, RecursionError):  # signed or not, nesting too deep is not a statement
         raise IntegrityError("the signed payload is not JSON") from None
     if not isinstance(statement, dict) or statement.get("_type") != STATEMENT_TYPE:
         got = statement.get("_type") if isinstance(statement, dict) else None
@@ -578,6 +578,30 @@ def _fetch_attestation(location: str, timeout: float) -> bytes:
             f"{location}: no attestation there; --verify-key needs the artifact's signed "
             "attestation (kiln sign), beside it or named by --attestation"
         ) from None
+    except IntegrityError:
+        raise
+    except UsageError as exc:
+        if scheme_of(location) != "file":
+            raise  # not a location kiln can read (an invalid URL): the argument's fault
+        raise _unreadable(location, exc) from None
+    except KilnError as exc:  # HTTP 403 or 500, a redirect loop, --timeout: still unread
+        raise _unreadable(location, exc) from None
+
+
+def _unreadable(location: str, exc: KilnError) -> IntegrityError:
+    """Exit 3 for an attestation that could not be read: restore never goes on without it."""
+    if scheme_of(location) == "file":
+        from kiln.artifact.storage.file import local_path  # imported only for a local path
+
+        with contextlib.suppress(OSError):
+            mode = local_path(location).stat().st_mode
+            if not stat.S_ISREG(mode):
+                kind = "a folder" if stat.S_ISDIR(mode) else "a special file"
+                return IntegrityError(
+                    f"{location}: not an attestation file ({kind}); nothing was changed"
+                )
+    why = exc.message.removeprefix(f"{location}: ")
+    return IntegrityError(f"{location}: cannot read the attestation: {why}; nothing was changed")
 
 
 def verify_attestation(

@@ -13,7 +13,8 @@ inputs in any order give the same bytes. A bundle comes from elsewhere like any 
 is read with the same bounds: the index is a strict, bounded model refused (exit 3) before a
 variant is read; only regular members it lists, at the listed sizes, are read; the chosen
 variant is unpacked by the artifact extractor, hashed as it is read and checked against the
-index. For ``oci://`` a bundle is an OCI image index instead (:mod:`kiln.artifact.storage.oci`).
+index, and its manifest's selection key must be the index's (:func:`check_variant`). For
+``oci://`` a bundle is an OCI image index instead (:mod:`kiln.artifact.storage.oci`).
 Torch-free.
 """
 
@@ -208,6 +209,25 @@ def key_of(manifest: Manifest) -> VariantKey:
         raise IntegrityError(
             f"{manifest.name}: its fingerprint cannot select a variant: {first_problem(exc)}"
         ) from None
+
+
+def check_variant(chosen: Candidate, manifest: Manifest) -> None:
+    """The chosen variant's artifact is what the index (or registry annotations) said it is:
+    its own manifest's selection key, and name where the index gives one. The key chose it, and
+    the manifest is what the caches were baked on: an index that calls a CPU artifact "H100"
+    is refused (exit 3), never installed on an H100."""
+    actual = key_of(manifest)
+    if actual.key != chosen.key:
+        raise IntegrityError(
+            f"variant {chosen.name!r}: the bundle index says {chosen.describe()}, its manifest "
+            f"{actual.describe()}: refused"
+        )
+    named = getattr(chosen, "artifact", manifest.name)
+    if named != manifest.name:
+        raise IntegrityError(
+            f"variant {chosen.name!r}: the bundle index names artifact {named!r}, its manifest "
+            f"{manifest.name!r}: refused"
+        )
 
 
 def _slug(text: str) -> str:
@@ -557,6 +577,7 @@ def unpack(
             f"(sha256 {digest}, {reader.size} bytes; the index says {chosen.sha256}, "
             f"{chosen.size} bytes)"
         )
+    check_variant(chosen, manifest)
     return Unpacked(manifest, choice, digest)
 
 

@@ -24,6 +24,7 @@ import zstandard
 from kiln.artifact.archive import open_tar_stream, read_manifest_member
 from kiln.artifact.manifest import MANIFEST_NAME, FileEntry, Manifest, path_problem
 from kiln.artifact.swap import STAGING_INFIX
+from kiln.bytecode import header_problem
 from kiln.errors import IntegrityError, KilnError
 from kiln.events import EventSink, Extracting
 from kiln.files import CHUNK
@@ -293,7 +294,22 @@ def extract_members(
     if missing:
         raise IntegrityError(f"artifact is missing {len(missing)} file(s), e.g. {missing[0]!r}")
     write_copies(tree, manifest)
+    check_bytecode(tree, manifest)
     return manifest
+
+
+def check_bytecode(tree: Path, manifest: Manifest) -> None:
+    """Each pyc unpacked under ``bytecode/`` is a checked-hash pyc of the source hash its entry
+    names (the manifest checked path, source and kind): Python compares it with the installed
+    source before using it. An unchecked one would be imported as it is, whatever the source
+    says; exit 3 before the swap."""
+    for entry in manifest.files:
+        if entry.kind != "bytecode" or entry.source_hash is None:
+            continue
+        with open(tree / entry.path, "rb") as fh:
+            problem = header_problem(fh.read(16), entry.source_hash)
+        if problem:
+            raise IntegrityError(f"bytecode {entry.path!r}: {problem}: refused")
 
 
 def write_copies(tree: Path, manifest: Manifest) -> None:

@@ -5,16 +5,19 @@ a GPU context to decide), so the GPU model and compute capability come from the 
 tools: ``nvidia-smi --query-gpu=name,compute_cap`` where it is on PATH, else the files the driver
 keeps under ``/proc/driver/nvidia/gpus/*/information`` (a container sees them whether or not the
 NVIDIA runtime put ``nvidia-smi`` in it; they name the model, not the capability). Whatever these
-print is parsed defensively: bounded, only printable names, a capability only when it looks
-like one. Torch-free, and it imports nothing of kiln's but the name rules.
+print is parsed defensively: read only as far as the parsers look (a tool that prints more is
+stopped there), only printable names, a capability only when it looks like one. Torch-free,
+and it imports nothing of kiln's but the name rules.
 """
 
 from __future__ import annotations
 
 import os
 import re
+import selectors
 import shutil
 import subprocess
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -115,33 +118,74 @@ def parse_proc_information(text: str) -> Gpu | None:
     return None
 
 
+def _run_bounded(argv: list[str], timeout: float) -> tuple[int | None, bytes, bytes]:
+    """Run ``argv``; (its exit status, stdout, stderr), each stream read up to
+    :data:`MAX_OUTPUT` bytes (what the parsers look at) and no further: a tool that prints more
+    is stopped there (status None), so whatever it prints costs 128 KiB of memory at most.
+    :class:`subprocess.TimeoutExpired` past ``timeout`` seconds."""
+    deadline = time.monotonic() + timeout
+    proc = subprocess.Popen(
+        argv,
+        stdin=subprocess.DEVNULL,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        env={**os.environ, "LC_ALL": "C"},
+    )
+    assert proc.stdout is not None and proc.stderr is not None
+    got = {proc.stdout.fileno(): bytearray(), proc.stderr.fileno(): bytearray()}
+    stopped = False
+    try:
+        with selectors.DefaultSelector() as selector:
+            for fd in got:
+                selector.register(fd, selectors.EVENT_READ)
+            while selector.get_map():
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    raise subprocess.TimeoutExpired(argv, timeout)
+                for key, _ in selector.select(left):
+                    fd = key.fd
+                    chunk = os.read(fd, min(1 << 15, MAX_OUTPUT - len(got[fd])))
+                    got[fd] += chunk
+                    if chunk and len(got[fd]) < MAX_OUTPUT:
+                        continue
+                    selector.unregister(fd)
+                    if chunk and not stopped:  # full: the rest is never read, nor waited for
+                        stopped = True
+                        proc.kill()
+        status = proc.wait(max(deadline - time.monotonic(), 0.01))
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+        proc.stdout.close()
+        proc.stderr.close()
+    out, err = got.values()
+    return (None if stopped else status), bytes(out), bytes(err)
+
+
 def _from_smi(timeout: float) -> tuple[list[Gpu] | None, str | None]:
     """(GPUs, None) when nvidia-smi answered (an empty list: it found none), else (None, why)."""
     exe = shutil.which(NVIDIA_SMI)
     if exe is None:
         return None, f"{NVIDIA_SMI} not on PATH"
     try:
-        proc = subprocess.run(
-            [exe, *SMI_ARGS],
-            capture_output=True,
-            timeout=timeout,
-            stdin=subprocess.DEVNULL,
-            env={**os.environ, "LC_ALL": "C"},
-        )
+        status, stdout, stderr = _run_bounded([exe, *SMI_ARGS], timeout)
     except subprocess.TimeoutExpired:
         return None, f"{NVIDIA_SMI} did not answer within {timeout:g} s"
     except OSError as exc:
         return None, f"{NVIDIA_SMI}: {exc.strerror}"
-    out = proc.stdout[:MAX_OUTPUT].decode("utf-8", "replace")
-    err = proc.stderr[:MAX_OUTPUT].decode("utf-8", "replace")
+    out = stdout.decode("utf-8", "replace")
+    err = stderr.decode("utf-8", "replace")
     if NO_DEVICES in out or NO_DEVICES in err:
         return [], None
-    gpus = parse_nvidia_smi(out) if proc.returncode == 0 else []
+    # Stopped for printing more than the parser reads: what it printed first is its answer.
+    gpus = parse_nvidia_smi(out) if status in (0, None) else []
     if gpus:
         return gpus, None
     first = (err.strip() or out.strip()).splitlines()[:1]
     said = f": {first[0][:120]!r}" if first else ""
-    return None, f"{NVIDIA_SMI} failed (exit {proc.returncode}){said}"
+    how = f"exit {status}" if status is not None else f"stopped after {MAX_OUTPUT} bytes"
+    return None, f"{NVIDIA_SMI} failed ({how}){said}"
 
 
 def _from_proc(proc_root: Path) -> tuple[list[Gpu], str | None]:

@@ -22,14 +22,17 @@ from pydantic import (
     BaseModel,
     ConfigDict,
     Field,
+    SerializerFunctionWrapHandler,
     ValidationError,
     field_validator,
+    model_serializer,
     model_validator,
 )
 
 from kiln._version import __version__
-from kiln.serving import MANIFEST_NAME as MANIFEST_NAME  # re-exported: imported from here
+from kiln.bytecode import library_problem, pyc_path
 from kiln.serving import (
+    BYTECODE_DIR,
     MAX_NAME_LENGTH,
     MAX_WORLD_SIZE,
     NAME_PATTERN,
@@ -38,6 +41,7 @@ from kiln.serving import (
     env_key_problem,
     env_value_problem,
 )
+from kiln.serving import MANIFEST_NAME as MANIFEST_NAME  # re-exported: imported from here
 
 FORMAT_VERSION = 2  # the newest format this kiln reads
 # Format 2 adds ``distributed`` and ``copies``: a kiln that reads only format 1 would ignore
@@ -134,6 +138,19 @@ class FileEntry(_Model):
     size: int = Field(ge=0, le=MAX_TOTAL_BYTES)
     sha256: str = Field(pattern=r"^[0-9a-f]{64}$")
     kind: str = Field(max_length=64)
+    # A pyc under bytecode/ (kind "bytecode") only: the library module it is the bytecode of,
+    # and that source's hash as its checked-hash header holds it (Manifest._bytecode_files).
+    source: str | None = Field(None, max_length=MAX_PATH_BYTES)
+    source_hash: str | None = Field(None, pattern=r"^[0-9a-f]{16}$")
+
+    @model_serializer(mode="wrap")
+    def _without_unset_source(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:
+        # Every other file has neither: left out, not written as null in each of them.
+        data: dict[str, Any] = handler(self)
+        for key in ("source", "source_hash"):
+            if data.get(key) is None:
+                data.pop(key, None)
+        return data
 
 
 NEW_FILES_SAMPLE = 12  # file names kept per bucket: enough to say which kernels were built
@@ -357,7 +374,10 @@ class Distributed(_Model):
             )
         for r in self.ranks:
             if r.same_as not in (None, 0):
-                raise ValueError(f"rank {r.rank} is served from rank {r.same_as}: only 0 or itself")
+                raise ValueError(
+                    f"rank {r.rank}: same_as {r.same_as}: only 0 (rank 0's caches) or null "
+                    "(its own)"
+                )
         return self
 
 
@@ -461,7 +481,45 @@ class Manifest(_Model):
             if value is not None and value not in paths:
                 raise ValueError(f"{field} {_shown(value)} is not a listed file")
         self._check_ranks(paths)
+        self._bytecode_files()
         return self
+
+    def _bytecode_files(self) -> None:
+        """Python bytecode (kiln.bytecode) as restore installs it, and a server imports it: under
+        ``bytecode/`` only, each file a pyc of a library module it names by source path and
+        source hash, at the path Python looks for that source's bytecode (the extractor then
+        checks each header: a checked-hash pyc of that hash). Nothing else under ``bytecode/``:
+        a server's pycache prefix serves every module it imports, its own code included."""
+        tag = self.bytecode.python if self.bytecode is not None else None
+        for entry in self.files:
+            inside = entry.path.startswith(BYTECODE_DIR + "/")
+            if not inside:
+                if entry.kind == "bytecode":
+                    raise ValueError(f"{_shown(entry.path)} is bytecode outside {BYTECODE_DIR}/")
+                continue
+            if tag is None:
+                raise ValueError(
+                    f"{_shown(entry.path)} is under {BYTECODE_DIR}/, and the manifest has no "
+                    "bytecode section"
+                )
+            if entry.kind != "bytecode":
+                raise ValueError(
+                    f"{_shown(entry.path)} of kind {entry.kind!r} under {BYTECODE_DIR}/ (only "
+                    "bytecode is)"
+                )
+            if entry.source is None or entry.source_hash is None:
+                raise ValueError(
+                    f"bytecode {_shown(entry.path)} names no source (source and source_hash)"
+                )
+            problem = library_problem(entry.source)
+            if problem:
+                raise ValueError(f"bytecode {_shown(entry.path)}: {problem}")
+            where = f"{BYTECODE_DIR}/{pyc_path(entry.source, tag)}"
+            if entry.path != where:
+                raise ValueError(
+                    f"bytecode {_shown(entry.path)} is not where Python looks for "
+                    f"{_shown(entry.source)}'s ({_shown(where)})"
+                )
 
     def _check_ranks(self, paths: set[str]) -> None:
         """A K-rank manifest is format 2 and keeps every file in one of its rank folders."""

@@ -56,6 +56,7 @@ from kiln.artifact.manifest import (
     RankCaches,
     ShardInfo,
     first_problem,
+    folders_of,
     rank_of,
 )
 from kiln.artifact.payload import payload_sha256
@@ -69,6 +70,11 @@ from kiln.spec import Spec
 
 # Manifest fields one spec determines: shards that differ in one were not baked from one spec.
 _SAME_SPEC = ("name", "spec_sha256", "model_source_sha256", "compile_kwargs", "env")
+# How far a shard may expand: its manifest's files against the artifact file's size. zstd
+# packs a real cache 3-10 times; a file of zeros, ten thousand times. Refused from the
+# manifest, before a byte is unpacked (the floor keeps tiny shards, mostly headers, out of it).
+MAX_EXPANSION = 1024
+EXPANSION_FLOOR = 64 << 20
 
 
 @dataclass
@@ -128,6 +134,8 @@ def merge(
         raise UsageError("kiln merge needs the shard artifacts to combine")
     if len(artifacts) > MAX_SHARDS:
         raise UsageError(f"{len(artifacts)} artifacts: kiln merges at most {MAX_SHARDS}")
+    if out.is_dir():
+        raise UsageError(f"-o {out}: is a folder; name the artifact file to write")
     inputs = [_read(Path(a)) for a in artifacts]
     world = _same_ranks(inputs)
     spec = _same_spec(inputs)
@@ -175,6 +183,12 @@ def _read(path: Path) -> _Input:
     if path.is_dir():
         raise UsageError(f"{path}: is a folder; kiln merge takes artifact files")
     manifest = read_manifest(path)  # exit 4 missing, exit 3 not an artifact
+    size = path.stat().st_size
+    if manifest.total_bytes > max(MAX_EXPANSION * size, EXPANSION_FLOOR):
+        raise IntegrityError(
+            f"{path.name}: its manifest lists {manifest.total_bytes} bytes in a {size}-byte "
+            f"artifact, more than {MAX_EXPANSION} times its size: refused unpacked"
+        )
     return _Input(path, manifest, manifest.shard or ShardInfo.of(1, [0]))
 
 
@@ -332,7 +346,8 @@ def _blob_paths(manifest: Manifest) -> set[str]:
 
 def _files(inputs: list[_Input]) -> tuple[dict[str, tuple[FileEntry, int]], int]:
     """path → (entry, index of the input it is taken from); and how many were shared.
-    Identical files are stored once; two different files at one path is exit 3. A K-rank
+    Identical files are stored once; two different files at one path, whatever kind the
+    manifests claim, or a file at a path another shard has as a folder, is exit 3. A K-rank
     shard's copies count as the files they are (restore's extractor writes them): which of
     the union are stored and which copied is decided again for the merged artifact."""
     chosen: dict[str, tuple[FileEntry, int]] = {}
@@ -344,10 +359,7 @@ def _files(inputs: list[_Input]) -> tuple[dict[str, tuple[FileEntry, int]], int]
                 continue
             if entry.path in chosen:
                 first, where = chosen[entry.path]
-                # Bytecode of one source is interchangeable (Python checks the source's hash
-                # before using either); kilns before isolated compiling wrote unequal bytes.
-                same = first.sha256 == entry.sha256 and first.size == entry.size
-                if not same and entry.kind != "bytecode":
+                if first.sha256 != entry.sha256 or first.size != entry.size:
                     raise IntegrityError(
                         f"{entry.path!r} differs between {inputs[where].path.name} and "
                         f"{item.path.name}: the shards did not compile the same code (another "
@@ -357,7 +369,22 @@ def _files(inputs: list[_Input]) -> tuple[dict[str, tuple[FileEntry, int]], int]
                 shared += 1
                 continue
             chosen[entry.path] = (entry, index)
+    _one_layout(inputs)
     return dict(sorted(chosen.items())), shared
+
+
+def _one_layout(inputs: list[_Input]) -> None:
+    """No path is a file in one shard (a blob included) and a folder in another: exit 3."""
+    owner: dict[str, int] = {}
+    for index, item in enumerate(inputs):
+        for entry in item.manifest.entries():
+            owner.setdefault(entry.path, index)
+    for folder in sorted(folders_of(list(owner)) & set(owner)):
+        inside = next(i for p, i in owner.items() if p.startswith(folder + "/"))
+        raise IntegrityError(
+            f"{folder!r} is a file in {inputs[owner[folder]].path.name} and a folder in "
+            f"{inputs[inside].path.name}: the shards did not bake the same layout"
+        )
 
 
 def _warnings(inputs: list[_Input], shard: ShardInfo, missing: list[int], spec: Spec) -> list[str]:

@@ -10,6 +10,7 @@ import hashlib
 from pathlib import PurePosixPath
 
 from kiln.artifact.manifest import FileEntry
+from kiln.serving import MEGACACHE_NAME
 
 # Two bakes of one spec on one machine write the same cache keys and byte-identical generated
 # code (.py/.cpp, and .so: the compiler is deterministic), but torch pickles measurements into its
@@ -19,9 +20,9 @@ from kiln.artifact.manifest import FileEntry
 # payload digest below leaves out exactly those bytes and keeps everything else.
 MEASURED_KINDS = frozenset({"fxgraph", "aotautograd"})  # compared by cache key, not by bytes
 BUNDLED_KINDS = frozenset({"megacache"})  # re-packs the measured entries: left out
-# Python's bytecode of the installed libraries (kiln.bytecode): derived from the sources the
-# fingerprint names, and which modules a process imports is not the compile's doing: left out.
-DERIVED_KINDS = frozenset({"bytecode"})
+# Everything else counts by path and bytes, Python's bytecode of the installed libraries
+# (kiln.bytecode) included: it is code the server runs, compiled to the same bytes in every bake
+# (an isolated interpreter), so a digest that left it out would not say what a server imports.
 
 
 def payload_lines(files: list[FileEntry]) -> list[str]:
@@ -32,9 +33,11 @@ def payload_lines(files: list[FileEntry]) -> list[str]:
     """
     lines: set[str] = set()
     for entry in files:
-        if entry.kind in BUNDLED_KINDS or entry.kind in DERIVED_KINDS:
+        # A kind is the manifest's claim: it takes bytes out only where the path agrees.
+        parts = entry.path.split("/")
+        if entry.kind in BUNDLED_KINDS and parts[-1] == MEGACACHE_NAME:
             continue
-        if entry.kind in MEASURED_KINDS:
+        if entry.kind in MEASURED_KINDS and entry.kind in parts[:-1]:
             lines.add(f"{entry.kind} key {PurePosixPath(entry.path).parent.as_posix()}")
         else:
             lines.add(f"{entry.kind} {entry.path} {entry.sha256}")

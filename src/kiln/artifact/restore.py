@@ -34,7 +34,7 @@ from kiln.artifact.archive import (
     parse_manifest,
 )
 from kiln.artifact.attestation import AttestationCheck, verify_attestation
-from kiln.artifact.bundle import Candidate, Choice, Selector, key_of, unpack
+from kiln.artifact.bundle import Candidate, Choice, Selector, check_variant, key_of, unpack
 from kiln.artifact.drift import Changes, changes, stamp
 from kiln.artifact.extract import HashingReader, check_stage, extract, require_space
 from kiln.artifact.machine import Machine
@@ -369,6 +369,7 @@ def _restore_locked(
             variant_sha: str | None = None
             if choice is not None:
                 manifest = extract(reader, tree, emit)
+                check_variant(choice.variant, manifest)  # the annotations chose it
             else:
                 have = installed.digest if installed is not None else None
                 out = unpack(reader, tree, emit, selector, source, have)

@@ -144,10 +144,7 @@ def activate(
     env = cache_env(cache, manifest.env, rank)
     notes: list[str] = []
     torch_loaded = "torch" in sys.modules
-    imports = bytecode.ImportState.now()
     os.environ.update(env)
-    if manifest.bytecode:  # before torch, or at least Dynamo and Inductor, is imported
-        notes.extend(_use_bytecode(cache / BYTECODE_DIR))
 
     import torch
 
@@ -159,20 +156,23 @@ def activate(
         for var, (module, attr, kind) in _CONFIG_BACKED.items():
             if var in env and module in sys.modules:
                 setattr(sys.modules[module], attr, kind(env[var]))
-    grid = len(manifest.grid)
-    limit = max(torch._dynamo.config.recompile_limit, 2 * grid + 2)
-    torch._dynamo.config.recompile_limit = limit
 
     report = None
     if compat != "ignore":
         report = _compare(manifest, device_index, rank)
         if not report.ok:
-            if compat == "fail":  # a server that falls back imports as it did before
-                imports.restore()
+            if compat == "fail":  # nothing imported from the artifact: as it was before
                 raise report.error()
             message = report.miss_message()
             warnings.warn(message, CompatWarning, stacklevel=2)
             notes.append(message)
+    # The artifact's bytecode serves every import from here on (Dynamo, Inductor): only once
+    # the environment is the baked one, never code of an artifact the check refuses.
+    if manifest.bytecode and (report is None or report.ok):
+        notes.extend(_use_bytecode(cache / BYTECODE_DIR))
+    grid = len(manifest.grid)
+    limit = max(torch._dynamo.config.recompile_limit, 2 * grid + 2)
+    torch._dynamo.config.recompile_limit = limit
 
     loaded = None
     blob_path = manifest.megacache

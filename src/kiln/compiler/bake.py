@@ -52,7 +52,7 @@ from kiln.artifact.manifest import (
     ShardInfo,
 )
 from kiln.compiler import inlaunch, ranks
-from kiln.compiler.capture import capture, capture_tree, payload_sha256
+from kiln.compiler.capture import capture, capture_bytecode, payload_sha256
 from kiln.compiler.dynamo_log import merge_breaks
 from kiln.compiler.launch import WorkerRun, run_worker
 from kiln.compiler.protocol import WorkerRequest, input_stream
@@ -195,7 +195,7 @@ def _capture(spec: Spec, work: Path) -> tuple[list[FileEntry], ranks.Stored | No
     """The files of ``work``'s layout; for K ranks, each rank's under ``ranks/R/``, stored once
     where ranks share them (:func:`kiln.compiler.ranks.store_once`; the rest are copies)."""
     if spec.distributed is None:
-        files = capture(work) + capture_tree(work / BYTECODE_DIR, BYTECODE_DIR)  # ranks ship none
+        files = capture(work) + capture_bytecode(work / BYTECODE_DIR)  # ranks ship none
         return sorted(files, key=lambda e: e.path), None
     by_rank = []
     for rank in range(spec.world_size):
@@ -397,8 +397,9 @@ class _Baker:
         files, stored = self._captured[1]
         warnings = _warnings(self.runs, self.pass_stats, proof, proof_warning)
         runs, stats = self.runs, self.pass_stats
-        manifest = _manifest(self.spec, self.buckets, runs, stats, files, warnings, proof)
-        manifest.bytecode = self._bytecode
+        manifest = _manifest(
+            self.spec, self.buckets, runs, stats, files, warnings, proof, self._bytecode
+        )
         if stored is not None:
             manifest = _with_ranks(self.spec, manifest, runs, stored)
         if self.shard is not None:
@@ -530,6 +531,7 @@ def _manifest(
     files: list[Any],
     warnings: list[str],
     proof: ProofStats | None,
+    bytecode: Bytecode | None = None,
 ) -> Manifest:
     first = runs[0]
     frames = _frames(spec, first, files)
@@ -569,6 +571,7 @@ def _manifest(
         megacache=MEGACACHE_NAME if any(f.path == MEGACACHE_NAME for f in files) else None,
         precompiled=PRECOMPILED_NAME if any(f.path == PRECOMPILED_NAME for f in files) else None,
         precompiled_frames=frames,
+        bytecode=bytecode,  # with the files: the manifest checks each pyc against it
         compile_kwargs=torch_kwargs(spec.compile),
         graph_breaks=_graph_breaks(runs),
         warnings=warnings,

@@ -9,6 +9,7 @@ Torch-free.
 from __future__ import annotations
 
 import os
+import sys
 from pathlib import Path, PurePosixPath
 
 from kiln.artifact.archive import sha256_file
@@ -18,6 +19,7 @@ from kiln.artifact.payload import MEASURED_KINDS as MEASURED_KINDS
 from kiln.artifact.payload import payload_diff as payload_diff
 from kiln.artifact.payload import payload_lines as payload_lines
 from kiln.artifact.payload import payload_sha256 as payload_sha256
+from kiln.bytecode import header_problem, library_problem, pyc_path
 from kiln.serving import (
     BYTECODE_DIR,
     FRAMES_DIR,
@@ -84,6 +86,31 @@ def capture(layout: Path) -> list[FileEntry]:
 def capture_tree(folder: Path, stored_as: str) -> list[FileEntry]:
     """File entries for ``folder`` (when it exists), stored under ``stored_as/``."""
     return _tree(folder, stored_as) if folder.is_dir() else []
+
+
+def capture_bytecode(folder: Path, tag: str | None = None) -> list[FileEntry]:
+    """File entries for a bake's bytecode tree (kiln.bytecode), stored under ``bytecode/``:
+    each names its source (the path the tree mirrors) and that source's hash (from the pyc's
+    header), which restore holds the file to (kiln.artifact.manifest, kiln.artifact.extract).
+    A file that is not the checked-hash pyc of a library module is left out: restore would
+    refuse the artifact."""
+    if not folder.is_dir():
+        return []
+    tag = tag or sys.implementation.cache_tag
+    out = []
+    for entry in _tree(folder, BYTECODE_DIR):
+        rel = entry.path.removeprefix(BYTECODE_DIR + "/")
+        head, _, name = rel.rpartition("/")
+        source = f"/{head}/{name.removesuffix(f'.{tag}.pyc')}.py"
+        if not name.endswith(f".{tag}.pyc") or library_problem(source):
+            continue
+        with open(folder / rel, "rb") as fh:
+            header = fh.read(16)
+        source_hash = header[8:16].hex()
+        if header_problem(header, source_hash) or pyc_path(source, tag) != rel:
+            continue
+        out.append(entry.model_copy(update={"source": source, "source_hash": source_hash}))
+    return out
 
 
 def _tree(root: Path, stored_as: str) -> list[FileEntry]:
