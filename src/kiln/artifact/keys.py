@@ -28,11 +28,11 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from kiln.errors import UsageError
+from kiln.installs import extra_hint
 
 if TYPE_CHECKING:
     from securesystemslib.signer import Signature, Signer, SSlibKey
 
-INSTALL_HINT = "pip install 'torch-kiln[sign]'"
 MAX_KEY_BYTES = 64 << 10  # a PEM key is a few hundred bytes
 VERIFY_KEY_ENV = "KILN_VERIFY_KEY"
 KINDS = "Ed25519 or ECDSA P-256"
@@ -47,7 +47,8 @@ def require_sign_extra() -> None:
         import securesystemslib.signer  # noqa: F401
     except ImportError as exc:
         raise UsageError(
-            f"signed provenance needs the [sign] extra ({exc.name} is missing): {INSTALL_HINT}"
+            f"signed provenance needs the [sign] extra ({exc.name} is missing): "
+            + extra_hint("sign")
         ) from None
 
 

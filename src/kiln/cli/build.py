@@ -22,6 +22,7 @@ from kiln.cli.render import (
     print_table,
     proof_line,
 )
+from kiln.installs import require_torch
 from kiln.spec import MAX_PASSES
 
 if TYPE_CHECKING:
@@ -39,7 +40,11 @@ def register(app: typer.Typer) -> None:
 def bake_cmd(
     spec: Path = typer.Argument(..., help="Model spec (YAML)."),
     out: Path = typer.Option(
-        None, "--out", "-o", help="Artifact path [default: NAME.kiln.tar.zst]."
+        None,
+        "--out",
+        "-o",
+        help="Artifact path (a shard's: NAME.shard-I-of-N.kiln.tar.zst).",
+        show_default="NAME.kiln.tar.zst",  # shown by typer, never read as markup
     ),
     passes: int = typer.Option(
         None, "--passes", min=1, max=MAX_PASSES, help="Fresh-process passes in other orders."
@@ -48,7 +53,7 @@ def bake_cmd(
         True,
         "--prove/--no-prove",
         help="End with a fresh process serving the packed artifact restored elsewhere, and "
-        "re-bake what it compiled [default: prove].",
+        "re-bake what it compiled.",
     ),
     strict: bool = typer.Option(
         False, "--strict", help="Exit 6, writing nothing, when the proof still compiles."
@@ -70,16 +75,20 @@ def bake_cmd(
     quiet: bool = QUIET,
 ) -> None:
     """Compile SPEC's grid in an isolated cache root and write a deterministic artifact."""
-    from kiln.compiler.bake import bake
-    from kiln.grid import Shard
+    from kiln.grid import Shard, expand, shard_grid
     from kiln.spec import load_spec
 
     o = Output(json_, quiet)
     sliced = Shard.parse(shard) if shard is not None else None  # exit 2 before the spec loads
     parsed = load_spec(spec)
+    if sliced is not None:
+        shard_grid(parsed, expand(parsed), sliced)  # a slice that cannot be: before torch
     suffix = sliced.suffix if sliced is not None else ""
     target = out or Path(f"{parsed.name}{suffix}.kiln.tar.zst")
     signing = _signing_key(sign_key)  # before compiling: a bad key costs a second, not a bake
+    require_torch("bake")
+    from kiln.compiler.bake import bake
+
     with o.progress() as sink:
         result = bake(
             parsed, target, passes=passes, prove=prove, strict=strict, on_event=sink, shard=sliced
@@ -155,6 +164,7 @@ def env_cmd(
     json_: bool = JSON,
 ) -> None:
     """Print this machine's fingerprint (the fields a manifest records)."""
+    require_torch("env")
     from kiln.compiler.fingerprint import fingerprint
 
     fp = fingerprint(device.value, device_index=device_index or 0)

@@ -258,6 +258,9 @@ def classify(exc: BaseException) -> tuple[int, str, object | None]:
         return int(ExitCode.USAGE), message + hint, None
     if isinstance(exc, _ClickException):
         return exc.exit_code, exc.format_message(), None
+    if isinstance(exc, ModuleNotFoundError) and exc.name in ("torch", "triton"):
+        # A path that needs torch and missed require_torch: still the one line, not a crash.
+        return int(ExitCode.USAGE), f"this needs {exc.name}, which this install lacks", None
     return int(ExitCode.INTERNAL), f"internal error: {type(exc).__name__}: {exc}", None
 
 
