@@ -818,3 +818,17 @@ def load_spec(path: str | Path) -> Spec:
 
 def spec_json_schema() -> dict[str, Any]:
     return Spec.model_json_schema()
+
+
+def differing_keys(a: Any, b: Any, prefix: str = "") -> list[str]:
+    """The dotted keys where two canonical specs differ (``buckets.seq``, ``model.kwargs.dim``):
+    what ``kiln verify`` names when it is given another spec than the one baked."""
+    if isinstance(a, dict) and isinstance(b, dict):
+        out: list[str] = []
+        for key in sorted(set(a) | set(b)):
+            where = f"{prefix}.{key}" if prefix else str(key)
+            out += (
+                differing_keys(a.get(key), b.get(key), where) if key in a and key in b else [where]
+            )
+        return out
+    return [] if a == b else [prefix or "(the whole spec)"]

@@ -16,6 +16,7 @@ from kiln.cli.options import DEVICE_INDEX, JSON, QUIET, Device
 from kiln.cli.output import Output, esc, plain
 from kiln.cli.render import (
     bucket_table,
+    count,
     fingerprint_table,
     graph_break_table,
     human_bytes,
@@ -101,13 +102,15 @@ def bake_cmd(
     def human(c: Console) -> None:
         m = result.manifest
         where = f" (shard {m.shard.label})" if m.shard is not None else ""
-        print_table(c, bucket_table(m.grid, f"{m.name}: {len(m.grid)} buckets baked{where}"))
+        print_table(
+            c, bucket_table(m.grid, f"{m.name}: {count(len(m.grid), 'bucket')} baked{where}")
+        )
         if m.graph_breaks:
             print_table(c, graph_break_table(m.graph_breaks))
         c.print(plain(proof_line(m)))
         c.print(
             f"wrote [bold]{esc(result.artifact)}[/] ({human_bytes(result.size)}, "
-            f"{len(m.entries())} files, "
+            f"{count(len(m.entries()), 'file')}, "
             f"{human_bytes(m.total_bytes)} unpacked) in {result.wall_s:.1f}s"
         )
         c.print(f"sha256 {result.sha256}")
@@ -167,5 +170,11 @@ def env_cmd(
     require_torch("env")
     from kiln.compiler.fingerprint import fingerprint
 
+    o = Output(json_)
     fp = fingerprint(device.value, device_index=device_index or 0)
-    Output(json_).emit(fp, lambda c: print_table(c, fingerprint_table(fp, "this environment")))
+    if device is Device.CUDA and not fp.get("gpu.name"):
+        o.warn(
+            "--device cuda: torch sees no GPU here, so this fingerprint has no GPU, capability "
+            "or driver, and its device index is only the one asked for (a bake would be exit 2)"
+        )
+    o.emit(fp, lambda c: print_table(c, fingerprint_table(fp, "this environment")))

@@ -74,8 +74,15 @@ def plain(value: object, style: str = "") -> Text:
 
 
 def console(*, stderr: bool = False) -> Console:
-    """A console for kiln's output: no emoji codes, since the text printed is not all ours."""
-    return Console(stderr=stderr, emoji=False)
+    """A console for kiln's output: no emoji codes, since the text printed is not all ours.
+
+    Piped (a CI log, ``| tee``) a line is never wrapped: rich would assume 80 columns and cut a
+    path or a digest in two, and a grep over the log would miss it. Tables take the width they
+    need there (:func:`kiln.cli.render.print_table`)."""
+    out = Console(stderr=stderr, emoji=False)
+    if not out.is_terminal:
+        out.soft_wrap = True
+    return out
 
 
 def json_text(data: Any) -> str:

@@ -102,7 +102,8 @@ def verify_cmd(
         if report.check and not report.check.ok:
             print_table(c, factor_table(report.check, all_rows=False))
         if not report.spec_matches:
-            o.warn("spec differs from the one baked into this artifact")
+            keys = ", ".join(report.spec_differs) or "its digest"
+            o.warn(f"{spec} differs from the spec baked into this artifact at: {keys}")
         if report.ok:
             c.print("[green]verified[/]: zero compiles over the grid")
 
