@@ -222,3 +222,49 @@ def test_a_truncated_artifact_is_still_called_corrupt(cli, tmp_path: Path) -> No
     proc = cli("restore", art, "--dest", tmp_path / "cache", no_torch=True)
     assert proc.returncode == 3, proc.stderr
     assert "not a kiln artifact" not in proc.stderr
+
+
+# --- issue 29, item 4: check names where this process's caches really are ---------------------
+def test_the_cache_location_factor(tmp_path: Path) -> None:
+    """A moved or copied folder's kiln.env still names the old path: a miss, named; unset is a
+    note (kiln.activate sets it); an artifact file is restored nowhere yet."""
+    from kiln.artifact.archive import read_manifest
+    from kiln.artifact.restore import restore
+    from kiln.compiler.location import FACTOR, location_factor
+    from tests.archives import good_archive
+
+    art = good_archive(tmp_path / "a.kiln.tar.zst")
+    dest = tmp_path / "cache"
+    restore(art, dest)
+    manifest = read_manifest(dest)
+    assert location_factor(art, manifest, None, {}) is None
+    unset = location_factor(dest, manifest, None, {})
+    assert unset is not None and unset.name == FACTOR and not unset.causes_miss
+    assert "kiln.activate" in unset.note
+    right = location_factor(dest, manifest, None, {FACTOR[4:]: str(dest / "inductor")})
+    assert right is not None and right.matches
+    moved = location_factor(dest, manifest, None, {FACTOR[4:]: str(tmp_path / "old/inductor")})
+    assert moved is not None and moved.causes_miss and not moved.matches
+    assert moved.baked == str(dest / "inductor") and moved.here == str(tmp_path / "old/inductor")
+
+
+@pytest.mark.slow  # each check compiles Inductor's CPU-ISA probes: ~25 s on 2 cores
+def test_check_of_a_moved_folder_is_exit_5_naming_the_cache_location(cli, tmp_path: Path) -> None:
+    import shutil
+
+    from kiln.artifact.restore import restore
+    from tests.archives import good_archive
+
+    first = tmp_path / "first"
+    restore(good_archive(tmp_path / "a.kiln.tar.zst"), first)
+    moved = tmp_path / "moved"
+    shutil.copytree(first, moved)
+    shutil.rmtree(first)
+    sourced = {"TORCHINDUCTOR_CACHE_DIR": str(first / "inductor")}  # first's kiln.env, sourced
+    proc = cli("check", moved, env=sourced)
+    assert proc.returncode == 5, proc.stdout + proc.stderr
+    line = one_error_line(proc.stderr)
+    assert "env.TORCHINDUCTOR_CACHE_DIR" in line and str(first / "inductor") in line
+    assert "compatible" not in proc.stdout.replace("incompatible", "")
+    ok = cli("check", moved, env={"TORCHINDUCTOR_CACHE_DIR": str(moved / "inductor")})
+    assert ok.returncode == 0, ok.stderr
