@@ -49,6 +49,7 @@ from kiln.events import (
     PassStarted,
     Proving,
     Tuning,
+    Waiting,
     WorkerStarted,
 )
 
@@ -201,6 +202,11 @@ class _ProgressSink:
                 self._bucket_done(e)
             case Heartbeat() as e:
                 self._line(f"still running: {e.what} ({e.elapsed_s:.0f} s)")
+            case Waiting() as e:
+                if self.plain:
+                    self.plain.note(e.message)
+                else:
+                    self.bars.console.print(plain(e.message), highlight=False)
             case Packing() as e:
                 self._task(self.byte_bars, "pack", "pack", e.total)
             case Packed() as e:
