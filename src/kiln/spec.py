@@ -41,7 +41,7 @@ Mode = Literal["default", "reduce-overhead", "max-autotune", "max-autotune-no-cu
 # --- limits --------------------------------------------------------------------------------
 # A spec is input from CI, so every number in it is bounded where it is parsed: a typo or a
 # hostile value is exit 2 with its location, never a worker that compiles, allocates or loops
-# until it is killed. The bounds are far beyond any real grid (README: "Limits").
+# until it is killed. The bounds are far beyond any real grid (docs/spec.md).
 MAX_SPEC_BYTES = 1 << 20  # the file itself
 MAX_YAML_NODES = 20_000  # values in the document, each alias counted at its expanded size
 MAX_YAML_DEPTH = 32  # levels of nesting (a spec needs 5)

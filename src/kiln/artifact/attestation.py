@@ -67,7 +67,7 @@ PAYLOAD_TYPE = "application/vnd.in-toto+json"
 STATEMENT_TYPE = "https://in-toto.io/Statement/v1"
 PREDICATE_TYPE = "https://slsa.dev/provenance/v1"
 # What a kiln bake is, as SLSA's buildType: a URN, since no page of kiln's own can be promised to
-# resolve forever; README.md ("Signed provenance") documents the parameters it implies.
+# resolve forever; docs/signing.md documents the parameters it implies.
 BUILD_TYPE = "urn:torch-kiln:bake:v1"
 SUFFIX = ATTESTATION_SUFFIX
 MAX_ATTESTATION_BYTES = 16 << 20  # the spec is at most 1 MiB; the grid at most 4,096 keys
