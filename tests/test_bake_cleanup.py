@@ -169,3 +169,28 @@ def test_a_second_bake_says_whose_lock_it_waits_for(tmp_path: Path) -> None:
             proc.communicate(timeout=60)
     assert proc.returncode == 128 + signal.SIGTERM
     assert not (tmp_path / "o.kiln.tar.zst").exists()
+
+
+@pytest.mark.gpu
+@pytest.mark.slow
+def test_a_finished_gpu_bake_leaves_nothing_in_tmpdir(tmp_path: Path) -> None:
+    """The same on CUDA (issue 29 measured 155 MB of precompiled headers left by a GPU bake)."""
+    import shutil
+
+    from tests.conftest import ROOT
+
+    for folder in ("configs", "examples"):
+        shutil.copytree(ROOT / folder, tmp_path / folder)
+    tmp = tmp_path / "tmp"
+    tmp.mkdir()
+    bake = ["bake", "configs/tiny-gpt-cuda.yaml", "-o", "o.kiln.tar.zst"]
+    proc = subprocess.run(
+        [sys.executable, "-m", "kiln", *bake],
+        cwd=tmp_path,
+        env={**os.environ, "TMPDIR": str(tmp), "NO_COLOR": "1"},
+        capture_output=True,
+        text=True,
+        timeout=1800,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert left_in(tmp) == [f"kiln-bake-{os.getuid()}/tiny-gpt-cuda.lock"]
