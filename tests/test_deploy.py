@@ -612,3 +612,42 @@ def test_kubernetes_bake_job_runs(tmp_path: Path) -> None:
     proc = run_pod_script(script, env, tmp_path / "work2", mapping, bin_dir)
     assert proc.returncode != 0
     assert not published.exists() and not (tmp_path / "work2" / "tiny-gpt.kiln.tar.zst").exists()
+
+
+@pytest.mark.parametrize("name", WORKFLOWS)
+def test_ci_push_step_hands_on_what_it_pushed(tmp_path: Path, name: str) -> None:
+    """The bake job's push step, run by bash as GitHub runs it (`bash -e`), with `kiln push`
+    standing in for a registry: it hands on the artifact's digest and pinned reference, and
+    fails when the attestation did not go with the artifact."""
+    step = next(s for s in load_workflow(name)["jobs"]["bake"]["steps"] if s.get("id") == "push")
+    script = re.sub(r"\$\{\{[^}]*\}\}", "abc123", step["run"])
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    shim = bin_dir / "kiln"
+    shim.write_text('#!/bin/sh\ncat "$KILN_PUSH_JSON"\n')
+    shim.chmod(0o755)
+    pushed = {"sha256": "a" * 64, "pinned": "oci://r.example/ml/tiny-gpt-cache@sha256:" + "b" * 64}
+    for attestation in ("oci://r.example/ml/tiny-gpt-cache@sha256:" + "c" * 64, None):
+        (tmp_path / "push-in.json").write_text(json.dumps({**pushed, "attestation": attestation}))
+        out = tmp_path / "github_output"
+        out.write_text("")
+        proc = subprocess.run(
+            ["bash", "-e", "-c", script],
+            cwd=tmp_path,
+            env={
+                "PATH": f"{bin_dir}:{Path(sys.executable).parent}:/usr/bin:/bin",
+                "GITHUB_OUTPUT": str(out),
+                "REGISTRY": "r.example/ml",
+                "KILN_PUSH_JSON": str(tmp_path / "push-in.json"),
+            },
+            capture_output=True,
+            text=True,
+        )
+        if attestation is None:
+            assert proc.returncode != 0 and out.read_text() == ""
+        else:
+            assert proc.returncode == 0, proc.stderr
+            assert out.read_text().splitlines() == [
+                f"artifact_sha256={pushed['sha256']}",
+                f"pinned={pushed['pinned']}",
+            ]
