@@ -1,9 +1,14 @@
-"""A bake stopped by SIGTERM (a CI job cancelled, a pod evicted) leaves nothing behind."""
+"""kiln leaves nothing in TMPDIR: a bake stopped by SIGTERM (a CI job cancelled, a pod evicted),
+a finished bake (Inductor's precompiled headers went to $TMPDIR/torchinductor_$USER), and
+`kiln check` (its CPU-ISA probes went there, or into the restored folder). A second bake of the
+same name says whose lock it waits for."""
 
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import os
+import select
 import signal
 import subprocess
 import sys
@@ -24,6 +29,15 @@ def _pids_running(needle: str) -> list[int]:
                 if needle in (proc / "cmdline").read_bytes().decode(errors="replace"):
                     found.append(int(proc.name))
     return found
+
+
+def left_in(tmp: Path) -> list[str]:
+    """Every file and folder under ``tmp`` but kiln's bake lock folder, as relative paths."""
+    return sorted(
+        str(p.relative_to(tmp))
+        for p in tmp.rglob("*")
+        if p.is_file() or p.name != f"kiln-bake-{os.getuid()}"
+    )
 
 
 @pytest.mark.slow  # a real bake in a fresh process, stopped while it compiles
@@ -55,6 +69,7 @@ def test_sigterm_during_a_bake_kills_the_worker_and_removes_its_folders(tmp_path
         assert "Traceback" not in err
         assert list(tmp.glob("kiln-worker-*")) == []
         assert not (tmp / f"kiln-bake-{os.getuid()}" / "sigterm-mlp").exists()
+        assert left_in(tmp) == [f"kiln-bake-{os.getuid()}/sigterm-mlp.lock"]  # no gcc temps
         assert _pids_running(str(tmp)) == []  # the worker and anything it started are gone
         assert not (tmp_path / "o.kiln.tar.zst").exists()
     finally:
@@ -62,3 +77,121 @@ def test_sigterm_during_a_bake_kills_the_worker_and_removes_its_folders(tmp_path
             with contextlib.suppress(ProcessLookupError):
                 os.kill(pid, signal.SIGKILL)
         proc.wait()
+
+
+@pytest.mark.slow
+def test_a_finished_bake_leaves_nothing_in_tmpdir(tmp_path: Path) -> None:
+    """Issue 29, item 6: the bake's workers get a TMPDIR of their own, removed with them; before,
+    Inductor's precompiled headers (155 MB on the H200 image) stayed in
+    $TMPDIR/torchinductor_$USER."""
+    tmp = tmp_path / "tmp"
+    tmp.mkdir()
+    spec = tmp_path / "spec.yaml"
+    spec.write_text(mlp_spec("tidy-mlp"))
+    proc = subprocess.run(
+        [sys.executable, "-m", "kiln", "bake", str(spec), "-o", str(tmp_path / "o.kiln.tar.zst")],
+        cwd=tmp_path,
+        env={**os.environ, "TMPDIR": str(tmp), "NO_COLOR": "1"},
+        capture_output=True,
+        text=True,
+        timeout=900,
+    )
+    assert proc.returncode == 0, proc.stderr
+    assert left_in(tmp) == [f"kiln-bake-{os.getuid()}/tidy-mlp.lock"]
+
+
+@pytest.mark.slow  # the probes compile: ~25 s a run on 2 cores
+def test_check_leaves_nothing_in_tmpdir_or_the_restored_folder(tmp_path: Path) -> None:
+    """`kiln check` fingerprints this machine, and Inductor compiles CPU-ISA probes to do it:
+    into $TMPDIR/torchinductor_$USER when no cache folder is set, into DIR/inductor once
+    kiln.env is sourced. Now into a folder of its own, removed."""
+    from kiln.artifact.restore import restore
+    from tests.archives import good_archive, tree
+
+    tmp = tmp_path / "tmp"
+    tmp.mkdir()
+    dest = tmp_path / "cache"
+    restore(good_archive(tmp_path / "a.kiln.tar.zst"), dest)
+    before = tree(dest)
+    for env in ({}, {"TORCHINDUCTOR_CACHE_DIR": str(dest / "inductor")}):
+        proc = subprocess.run(
+            [sys.executable, "-m", "kiln", "check", str(dest)],
+            env={**os.environ, "TMPDIR": str(tmp), "NO_COLOR": "1", **env},
+            capture_output=True,
+            text=True,
+            timeout=300,
+        )
+        assert proc.returncode == 0, proc.stderr
+        assert left_in(tmp) == []
+        assert tree(dest) == before
+
+
+def test_a_second_bake_says_whose_lock_it_waits_for(tmp_path: Path) -> None:
+    """Two bakes of one name take turns on its work folder (the cache root is part of the
+    bytes); the second one said nothing for a minute. Now it names the holder and waits."""
+    tmp = tmp_path / "tmp"
+    base = tmp / f"kiln-bake-{os.getuid()}"
+    base.mkdir(parents=True)
+    spec = tmp_path / "spec.yaml"
+    spec.write_text(mlp_spec("locked-mlp"))
+    with open(base / "locked-mlp.lock", "a+b") as held:
+        fcntl.flock(held.fileno(), fcntl.LOCK_EX)
+        held.write(b"pid 4242, started 12:00:00")
+        held.flush()
+        proc = subprocess.Popen(
+            [
+                sys.executable,
+                "-m",
+                "kiln",
+                "bake",
+                str(spec),
+                "-o",
+                str(tmp_path / "o.kiln.tar.zst"),
+            ],
+            cwd=tmp_path,
+            env={**os.environ, "TMPDIR": str(tmp), "NO_COLOR": "1"},
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        try:
+            assert proc.stderr is not None
+            # The first thing it says, before it waits (a silent bake would block readline).
+            ready, _, _ = select.select([proc.stderr], [], [], 120)
+            assert ready, "the waiting bake said nothing in 120 s"
+            line = proc.stderr.readline()
+            assert line.strip() == (
+                f"waiting: another bake of locked-mlp (pid 4242, started 12:00:00) holds "
+                f"{base / 'locked-mlp.lock'}"
+            )
+            assert proc.poll() is None  # and it does wait
+        finally:
+            proc.send_signal(signal.SIGTERM)
+            proc.communicate(timeout=60)
+    assert proc.returncode == 128 + signal.SIGTERM
+    assert not (tmp_path / "o.kiln.tar.zst").exists()
+
+
+@pytest.mark.gpu
+@pytest.mark.slow
+def test_a_finished_gpu_bake_leaves_nothing_in_tmpdir(tmp_path: Path) -> None:
+    """The same on CUDA (issue 29 measured 155 MB of precompiled headers left by a GPU bake)."""
+    import shutil
+
+    from tests.conftest import ROOT
+
+    for folder in ("configs", "examples"):
+        shutil.copytree(ROOT / folder, tmp_path / folder)
+    tmp = tmp_path / "tmp"
+    tmp.mkdir()
+    bake = ["bake", "configs/tiny-gpt-cuda.yaml", "-o", "o.kiln.tar.zst"]
+    proc = subprocess.run(
+        [sys.executable, "-m", "kiln", *bake],
+        cwd=tmp_path,
+        env={**os.environ, "TMPDIR": str(tmp), "NO_COLOR": "1"},
+        capture_output=True,
+        text=True,
+        timeout=1800,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert left_in(tmp) == [f"kiln-bake-{os.getuid()}/tiny-gpt-cuda.lock"]

@@ -139,3 +139,133 @@ def test_a_bad_shard_is_one_line_exit_2(cli, write_spec, shard: str, why: str) -
     dynamic = cli("bake", write_spec(mlp_spec(dynamic="null")), "--shard", "0/2", no_torch=True)
     assert dynamic.returncode == 2, dynamic.stderr
     assert "sharding needs compile.dynamic: false" in one_error_line(dynamic.stderr)
+
+
+# --- issue 29, item 5: a file that is no artifact is named as such ----------------------------
+def not_artifacts(tmp_path: Path) -> dict[str, Path]:
+    """Files people hand to kiln by mistake: text, a plain tarball, zstd that is no tar."""
+    import io
+    import tarfile
+
+    import zstandard
+
+    readme = tmp_path / "README.md"
+    readme.write_text((Path(__file__).parent.parent / "README.md").read_text()[:4000])
+    spec = tmp_path / "spec.yaml"
+    spec.write_text(mlp_spec())
+    buf = io.BytesIO()
+    with tarfile.open(fileobj=buf, mode="w") as tar:
+        info = tarfile.TarInfo("notes.txt")
+        info.size = 2
+        tar.addfile(info, io.BytesIO(b"hi"))
+    other = tmp_path / "other.tar.zst"
+    other.write_bytes(zstandard.ZstdCompressor().compress(buf.getvalue()))
+    text_zst = tmp_path / "log.zst"
+    text_zst.write_bytes(zstandard.ZstdCompressor().compress(b"just a log\n" * 100))
+    empty = tmp_path / "empty.kiln.tar.zst"
+    empty.write_bytes(b"")
+    return {"readme": readme, "spec": spec, "tarball": other, "zstd": text_zst, "empty": empty}
+
+
+@pytest.mark.parametrize("what", ["readme", "spec", "tarball", "zstd", "empty"])
+@pytest.mark.parametrize("command", ["inspect", "restore", "merge", "push", "sign"])
+def test_a_file_that_is_no_artifact_says_so(cli, tmp_path: Path, command: str, what: str) -> None:
+    from tests.keys import make_key
+
+    path = not_artifacts(tmp_path)[what]
+    store = tmp_path / "store"
+    args = {
+        "inspect": [],
+        "restore": ["--dest", str(tmp_path / "cache")],
+        "merge": ["-o", str(tmp_path / "m.kiln.tar.zst")],
+        "push": [str(store) + "/"],
+        "sign": ["--key", str(make_key(tmp_path, "k").private)],
+    }[command]
+    proc = cli(command, path, *args, no_torch=True)
+    assert proc.returncode == 3, proc.stderr
+    line = one_error_line(proc.stderr)
+    assert f"{path}: not a kiln artifact" in line, line
+    assert "corrupt" not in line
+    assert not store.exists() and not (tmp_path / "cache").exists()
+    assert not (tmp_path / "m.kiln.tar.zst").exists()
+    assert not Path(f"{path}.intoto.jsonl").exists()
+
+
+def test_check_of_a_file_that_is_no_artifact_says_so(cli, tmp_path: Path) -> None:
+    path = not_artifacts(tmp_path)["readme"]
+    proc = cli("check", path)
+    assert proc.returncode == 3, proc.stderr
+    assert f"{path}: not a kiln artifact" in one_error_line(proc.stderr)
+
+
+def test_sign_of_a_bundle_says_bundles_are_signed_per_variant(cli, tmp_path: Path) -> None:
+    from kiln.artifact.bundle import write_bundle
+    from tests.archives import variant_archive
+    from tests.keys import make_key
+
+    art = variant_archive(tmp_path / "cpu.kiln.tar.zst", {"device.type": "cpu"})
+    bundle = write_bundle([art], tmp_path / "release.kiln.tar.zst").path
+    proc = cli("sign", bundle, "--key", make_key(tmp_path, "k").private, no_torch=True)
+    assert proc.returncode == 2, proc.stderr
+    line = one_error_line(proc.stderr)
+    assert "bundles are signed per variant" in line and str(bundle) in line
+    assert not Path(f"{bundle}.intoto.jsonl").exists()
+
+
+def test_a_truncated_artifact_is_still_called_corrupt(cli, tmp_path: Path) -> None:
+    import random
+
+    from tests.archives import good_archive
+
+    payload = random.Random(0).randbytes(300_000)  # incompressible: the cut lands in it
+    art = good_archive(tmp_path / "a.kiln.tar.zst", {"inductor/x": payload})
+    art.write_bytes(art.read_bytes()[:-1000])
+    proc = cli("restore", art, "--dest", tmp_path / "cache", no_torch=True)
+    assert proc.returncode == 3, proc.stderr
+    assert "not a kiln artifact" not in proc.stderr
+
+
+# --- issue 29, item 4: check names where this process's caches really are ---------------------
+def test_the_cache_location_factor(tmp_path: Path) -> None:
+    """A moved or copied folder's kiln.env still names the old path: a miss, named; unset is a
+    note (kiln.activate sets it); an artifact file is restored nowhere yet."""
+    from kiln.artifact.archive import read_manifest
+    from kiln.artifact.restore import restore
+    from kiln.compiler.location import FACTOR, location_factor
+    from tests.archives import good_archive
+
+    art = good_archive(tmp_path / "a.kiln.tar.zst")
+    dest = tmp_path / "cache"
+    restore(art, dest)
+    manifest = read_manifest(dest)
+    assert location_factor(art, manifest, None, {}) is None
+    unset = location_factor(dest, manifest, None, {})
+    assert unset is not None and unset.name == FACTOR and not unset.causes_miss
+    assert "kiln.activate" in unset.note
+    right = location_factor(dest, manifest, None, {FACTOR[4:]: str(dest / "inductor")})
+    assert right is not None and right.matches
+    moved = location_factor(dest, manifest, None, {FACTOR[4:]: str(tmp_path / "old/inductor")})
+    assert moved is not None and moved.causes_miss and not moved.matches
+    assert moved.baked == str(dest / "inductor") and moved.here == str(tmp_path / "old/inductor")
+
+
+@pytest.mark.slow  # each check compiles Inductor's CPU-ISA probes: ~25 s on 2 cores
+def test_check_of_a_moved_folder_is_exit_5_naming_the_cache_location(cli, tmp_path: Path) -> None:
+    import shutil
+
+    from kiln.artifact.restore import restore
+    from tests.archives import good_archive
+
+    first = tmp_path / "first"
+    restore(good_archive(tmp_path / "a.kiln.tar.zst"), first)
+    moved = tmp_path / "moved"
+    shutil.copytree(first, moved)
+    shutil.rmtree(first)
+    sourced = {"TORCHINDUCTOR_CACHE_DIR": str(first / "inductor")}  # first's kiln.env, sourced
+    proc = cli("check", moved, env=sourced)
+    assert proc.returncode == 5, proc.stdout + proc.stderr
+    line = one_error_line(proc.stderr)
+    assert "env.TORCHINDUCTOR_CACHE_DIR" in line and str(first / "inductor") in line
+    assert "compatible" not in proc.stdout.replace("incompatible", "")
+    ok = cli("check", moved, env={"TORCHINDUCTOR_CACHE_DIR": str(moved / "inductor")})
+    assert ok.returncode == 0, ok.stderr

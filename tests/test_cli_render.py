@@ -180,3 +180,146 @@ def test_a_failed_verify_is_a_header_and_one_line_per_bucket(capsys) -> None:
         explain(report.buckets[0]),
         explain(report.buckets[2]),
     ]
+
+
+# --- issue 29, item 7: help and output a newcomer reads -----------------------------------------
+def test_help_shows_defaults_and_names_not_placeholders(cli) -> None:
+    """Every command's --help: no typer placeholders (``<bool>`` beside a flag, ``{spec}``,
+    ``<list[Path]>``), arguments named as the README names them, and bake's defaults whole
+    (rich markup once ate ``[default: NAME.kiln.tar.zst]``, leaving "Artifact path .")."""
+    from kiln.cli import app
+
+    commands = [c.name for c in app.registered_commands]
+    for name in [None, *commands]:
+        proc = cli(*([name] if name else []), "--help", no_torch=True)
+        assert proc.returncode == 0, proc.stderr
+        text = proc.stdout
+        for placeholder in ("<bool>", "{", "<list[", "Artifact path ."):
+            assert placeholder not in text, f"kiln {name} --help shows {placeholder}:\n{text}"
+    bake = " ".join(cli("bake", "--help", no_torch=True).stdout.split())
+    assert "Usage: kiln bake [OPTIONS] SPEC" in bake
+    assert "[default: (NAME.kiln.tar.zst)]" in bake
+    assert bake.count("[default: prove]") == 1
+    merge = " ".join(cli("merge", "--help", no_torch=True).stdout.split())
+    assert "Usage: kiln merge [OPTIONS] ARTIFACTS..." in merge
+    missing = cli("verify", no_torch=True)
+    assert "Missing argument 'SPEC'" in missing.stderr
+
+
+def test_piped_lines_are_never_wrapped(cli, tmp_path: Path) -> None:
+    """Piped (a CI log) with no COLUMNS, rich assumes 80 columns: a long path was cut in two and
+    a grep for it failed. Lines now stay whole; tables take the width they need."""
+    from tests.archives import good_archive
+
+    art = good_archive(tmp_path / "a.kiln.tar.zst")
+    dest = tmp_path / ("a-destination-folder-with-a-long-name-" * 3) / "cache"
+    proc = cli("restore", art, "--dest", dest, env={"COLUMNS": ""}, no_torch=True)
+    assert proc.returncode == 0, proc.stderr
+    assert f"serve with: . {dest}/kiln.env" in proc.stdout.splitlines()
+
+
+def test_counts_read_in_the_right_number(cli, write_spec, tmp_path: Path) -> None:
+    """ "1 variants", "merged 1 artifacts", "1 files" read as typos."""
+    from kiln.artifact.bundle import write_bundle
+    from tests.archives import good_archive, variant_archive
+    from tests.conftest import mlp_spec
+    from tests.test_merge import shard_artifact
+
+    bundle = write_bundle(
+        [variant_archive(tmp_path / "v.kiln.tar.zst", {"device.type": "cpu"})],
+        tmp_path / "release.kiln.tar.zst",
+    ).path
+    inspected = cli("inspect", bundle, no_torch=True)
+    assert "bundle: 1 variant\n" in inspected.stdout, inspected.stdout
+    one = shard_artifact(tmp_path, write_spec(mlp_spec()), 0, 1)
+    merged = cli("merge", one, "-o", tmp_path / "m.kiln.tar.zst", no_torch=True)
+    assert merged.returncode == 0, merged.stderr
+    assert "merged 1 artifact into" in merged.stdout, merged.stdout
+    single = good_archive(tmp_path / "one.kiln.tar.zst", {"inductor/a": b"a"})
+    assert "\n1 file, " in cli("inspect", single, no_torch=True).stdout
+
+
+def test_a_key_kind_takes_its_article(cli, tmp_path: Path) -> None:
+    from cryptography.hazmat.primitives import serialization
+    from cryptography.hazmat.primitives.asymmetric import rsa
+
+    from tests.archives import good_archive
+
+    key = rsa.generate_private_key(public_exponent=65537, key_size=2048)
+    pem = tmp_path / "rsa.pem"
+    pem.write_bytes(
+        key.private_bytes(
+            serialization.Encoding.PEM,
+            serialization.PrivateFormat.PKCS8,
+            serialization.NoEncryption(),
+        )
+    )
+    art = good_archive(tmp_path / "a.kiln.tar.zst")
+    proc = cli("sign", art, "--key", pem, no_torch=True)
+    assert proc.returncode == 2 and ": an RSA key;" in proc.stderr, proc.stderr
+
+
+def test_env_for_cuda_without_a_gpu_warns(cli) -> None:
+    import torch
+
+    if torch.cuda.is_available():
+        pytest.skip("a GPU is visible: nothing to warn about")
+    proc = cli("env", "--device", "cuda")
+    assert proc.returncode == 0, proc.stderr
+    assert "warning: --device cuda: torch sees no GPU here" in proc.stderr
+
+
+def test_a_bucket_outside_the_baked_grid_is_named_as_such() -> None:
+    """Not torch's guard ("expected 32, actual 64"): the axis value the bake never used."""
+    from kiln.grid import off_grid
+
+    baked = [{"batch": b, "seq": s} for b in (1, 4) for s in (32, 128)]
+    assert off_grid({"batch": 1, "seq": 32}, baked) is None
+    assert off_grid({"batch": 1, "seq": 64}, baked) == (
+        "seq=64 is not in the baked grid (seq: 32, 128)"
+    )
+    assert off_grid({"batch": 4, "seq": 128}, baked[:3]) == (
+        "batch=4,seq=128 is not in the baked grid (excluded, or another shard's)"
+    )
+    bucket = BucketStats(
+        key="batch=1,seq=64",
+        sizes={"batch": 1, "seq": 64},
+        first_call_s=1.0,
+        steady_s=0.01,
+        fx_misses=1,
+        aot_misses=1,
+        recompile_reasons=["- tensor 'input_ids' size mismatch at index 1. expected 32, actual 64"],
+    )
+    report = verify_report()
+    report.buckets, report.baked_grid = [bucket], baked
+    (line,) = report.reasons()
+    assert "seq=64 is not in the baked grid (seq: 32, 128): the bake never compiled it" in line
+    assert "expected 32" not in line
+
+
+def test_another_spec_is_named_by_its_differing_keys() -> None:
+    from kiln.spec import differing_keys
+
+    baked = {"name": "m", "buckets": {"seq": [32]}, "model": {"kwargs": {"dim": 64}}}
+    given = {"name": "m", "buckets": {"seq": [32, 64]}, "model": {"kwargs": {"dim": 64}}, "x": 1}
+    assert differing_keys(baked, given) == ["buckets.seq", "x"]
+    assert differing_keys(baked, baked) == []
+
+
+@pytest.mark.slow
+def test_verify_with_another_spec_names_keys_and_off_grid_buckets(baked, tmp_path: Path, cli):
+    import kiln
+    from tests.conftest import mlp_spec
+
+    _, result = baked
+    dest = tmp_path / "cache"
+    kiln.restore(result.artifact, dest)
+    other = tmp_path / "other.yaml"
+    other.write_text(mlp_spec(buckets="batch: [2, 7]"))
+    proc = cli("verify", other, "--cache", dest, "--order", "grid")
+    assert proc.returncode == 6, proc.stderr
+    assert f"warning: {other} differs from the spec baked into this artifact at: buckets" in (
+        proc.stderr
+    )
+    assert "batch=7: " in proc.stderr
+    assert "batch=7 is not in the baked grid (batch: 2, 3, 5)" in proc.stderr

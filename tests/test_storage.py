@@ -252,8 +252,10 @@ def test_a_missing_extra_is_one_line_and_exit_2(tmp_path: Path, source: str, ext
     code = f"sys.argv = ['kiln', 'restore', {source!r}, '--dest', {str(tmp_path / 'c')!r}]\n"
     proc = run_without_extras(code + "from kiln.cli import main\nmain()")
     assert proc.returncode == 2, proc.stderr
-    assert proc.stderr.strip() == (
-        f"kiln: error: this source needs the {extra!r} extra: pip install 'torch-kiln[{extra}]'"
+    assert proc.stderr.strip() == (  # torch is blocked too: the torch-free installer's advice
+        f"kiln: error: this source needs the {extra!r} extra: KILN_EXTRAS={extra} "
+        f"scripts/install-restore.sh PYTHON torch-kiln (pip install 'torch-kiln[{extra}]' "
+        "would pull in torch)"
     )
     assert not (tmp_path / "c").exists()
 

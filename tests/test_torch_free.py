@@ -88,3 +88,61 @@ def test_env_command(cli) -> None:
     assert proc.returncode == 0, proc.stderr
     fp = json.loads(proc.stdout)
     assert fp["torch.version"].startswith("2.") and "inductor" in fp and "python" in fp
+
+
+@pytest.mark.parametrize(
+    "args",
+    [
+        ("check", "{art}"),
+        ("env",),
+        ("env", "--device", "cuda"),
+        ("verify", "{spec}", "--cache", "{tmp}/cache"),
+        ("bake", "{spec}", "-o", "{tmp}/out.kiln.tar.zst"),
+        ("bench", "{spec}"),
+    ],
+)
+def test_torch_commands_in_a_torch_free_install_say_so(
+    tmp_path: Path, cli, write_spec, args: tuple[str, ...]
+) -> None:
+    """Issue 29, item 3: a command that needs torch, run where there is none (the install
+    scripts/install-restore.sh makes), is one line saying so and how to get it, exit 2; no
+    worker starts, nothing is written."""
+    from tests.conftest import mlp_spec
+
+    values = {
+        "art": str(good_archive(tmp_path / "a.kiln.tar.zst")),
+        "spec": str(write_spec(mlp_spec())),
+        "tmp": str(tmp_path),
+    }
+    argv = [a.format(**values) for a in args]
+    for extra in ([], ["--json"]):
+        proc = cli(*argv, *extra, no_torch=True)
+        assert proc.returncode == 2, proc.stderr
+        (line,) = proc.stderr.strip().splitlines()
+        assert line.startswith(f"kiln: error: kiln {args[0]} needs torch, and this install has")
+        assert "install your torch build" in line and "Traceback" not in proc.stderr
+        if extra:
+            assert json.loads(proc.stdout)["exit_code"] == 2
+    assert not (tmp_path / "out.kiln.tar.zst").exists() and not (tmp_path / "cache").exists()
+
+
+def test_missing_extra_advice_fits_a_torch_free_install(tmp_path: Path, cli) -> None:
+    """Without torch, `pip install 'torch-kiln[sign]'` would pull torch in: the advice is the
+    torch-free installer with KILN_EXTRAS instead."""
+    art = good_archive(tmp_path / "a.kiln.tar.zst")
+    (tmp_path / "k.pem").write_text("x")
+    code = "sys.modules['securesystemslib'] = None; sys.modules['cryptography'] = None; "
+    argv = ["kiln", "sign", str(art), "--key", str(tmp_path / "k.pem")]
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-c",
+            f"{NO_TORCH}{code}sys.argv = {argv!r}; import kiln.cli as c; c.main()",
+        ],
+        capture_output=True,
+        text=True,
+    )
+    assert proc.returncode == 2, proc.stderr
+    (line,) = proc.stderr.strip().splitlines()
+    assert "KILN_EXTRAS=sign scripts/install-restore.sh PYTHON torch-kiln" in line, line
+    assert "would pull in torch" in line

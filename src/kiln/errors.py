@@ -62,6 +62,11 @@ class IntegrityError(KilnError):
     exit_code = ExitCode.INTEGRITY
 
 
+class NotAnArtifactError(IntegrityError):
+    """A file that is no kiln artifact at all (a spec, a README, any other archive): said so,
+    naming it, rather than called corrupt. Exit 3 like any archive kiln cannot trust."""
+
+
 class NotFoundError(KilnError):
     exit_code = ExitCode.NOT_FOUND
 

@@ -65,6 +65,15 @@ class Heartbeat(_Event):
     elapsed_s: float
 
 
+class Waiting(_Event):
+    """The step waits for something another process holds (a bake of the same name holds its
+    work folder's lock): said once when the wait starts and once when it ends, so a silent
+    minute never looks like a hang."""
+
+    event: Literal["wait"] = "wait"
+    message: str
+
+
 class PassStarted(_Event):
     """A bake pass starts a fresh worker (``index`` counts from 0)."""
 
@@ -169,6 +178,7 @@ Event = (
     | BucketDone
     | FirstPassDone
     | Heartbeat
+    | Waiting
     | PassStarted
     | Proving
     | ModeStarted

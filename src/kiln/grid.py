@@ -202,3 +202,20 @@ def shard_grid(spec: Spec, buckets: list[Bucket], shard: Shard) -> list[Bucket]:
             "saves all of a forward's frames in one file, which every shard would write"
         )
     return shard_buckets(buckets, shard)
+
+
+def off_grid(sizes: dict[str, int], baked: list[dict[str, int]]) -> str | None:
+    """Why a bucket of ``sizes`` is outside the grid an artifact baked (``baked``: each baked
+    bucket's sizes), or None when it is in it: the axis value the bake never used
+    (``seq=64 is not in the baked grid (seq: 32, 128)``), else the combination. A served
+    bucket outside the grid compiles by design; a torch guard quoted instead
+    (``expected 32, actual 64``) reads like a cache fault."""
+    if not baked or sizes in baked:
+        return None
+    for axis, size in sizes.items():
+        values = sorted({b[axis] for b in baked if axis in b})
+        if values and size not in values:
+            shown = ", ".join(map(str, values))
+            return f"{axis}={size} is not in the baked grid ({axis}: {shown})"
+    key = ",".join(f"{a}={s}" for a, s in sizes.items())
+    return f"{key} is not in the baked grid (excluded, or another shard's)"

@@ -41,7 +41,7 @@ Mode = Literal["default", "reduce-overhead", "max-autotune", "max-autotune-no-cu
 # --- limits --------------------------------------------------------------------------------
 # A spec is input from CI, so every number in it is bounded where it is parsed: a typo or a
 # hostile value is exit 2 with its location, never a worker that compiles, allocates or loops
-# until it is killed. The bounds are far beyond any real grid (README: "Limits").
+# until it is killed. The bounds are far beyond any real grid (docs/spec.md).
 MAX_SPEC_BYTES = 1 << 20  # the file itself
 MAX_YAML_NODES = 20_000  # values in the document, each alias counted at its expanded size
 MAX_YAML_DEPTH = 32  # levels of nesting (a spec needs 5)
@@ -818,3 +818,17 @@ def load_spec(path: str | Path) -> Spec:
 
 def spec_json_schema() -> dict[str, Any]:
     return Spec.model_json_schema()
+
+
+def differing_keys(a: Any, b: Any, prefix: str = "") -> list[str]:
+    """The dotted keys where two canonical specs differ (``buckets.seq``, ``model.kwargs.dim``):
+    what ``kiln verify`` names when it is given another spec than the one baked."""
+    if isinstance(a, dict) and isinstance(b, dict):
+        out: list[str] = []
+        for key in sorted(set(a) | set(b)):
+            where = f"{prefix}.{key}" if prefix else str(key)
+            out += (
+                differing_keys(a.get(key), b.get(key), where) if key in a and key in b else [where]
+            )
+        return out
+    return [] if a == b else [prefix or "(the whole spec)"]

@@ -29,10 +29,15 @@ from kiln.artifact.manifest import (
     first_problem,
     folders_of,
 )
-from kiln.errors import IntegrityError, NotFoundError, UsageError
+from kiln.errors import IntegrityError, NotAnArtifactError, NotFoundError, UsageError
 from kiln.files import CHUNK, atomic_write
 
 SUFFIX = ".kiln.tar.zst"
+# Every zstd frame starts with these bytes: a file without them is no artifact (nor bundle).
+ZSTD_MAGIC = b"\x28\xb5\x2f\xfd"
+NOT_ZSTD = (
+    "not a kiln artifact (not zstd data: kiln bake, merge and bundle write .kiln.tar.zst files)"
+)
 ZSTD_LEVEL = 6
 # threads >= 1 give identical bytes for any count; 0 (single-threaded API) gives other bytes.
 ZSTD_THREADS = 2
@@ -203,6 +208,10 @@ class _BoundedTarFile(tarfile.TarFile):
         try:
             member = super().next()
         except _TAR_FAULTS as exc:
+            if self.offset == 0:  # not even a first header: zstd data, but no tar in it
+                raise NotAnArtifactError(
+                    f"not a kiln artifact (zstd, but not a tar: {exc})"
+                ) from None
             raise IntegrityError(f"artifact is corrupt or truncated: {exc}") from None
         # Now self.offset is where the next header starts: this member's data lies before it.
         reader.limit = self.offset + tarfile.RECORDSIZE
@@ -215,15 +224,52 @@ class _BoundedTarFile(tarfile.TarFile):
         return member
 
 
+class _Prefixed:
+    """A stream whose first bytes were read already (to check them): they come first again."""
+
+    def __init__(self, head: bytes, fh: IO[bytes]) -> None:
+        self._head, self._fh = head, fh
+
+    def read(self, size: int = -1) -> bytes:
+        if not self._head:
+            return self._fh.read(size)
+        if size is None or size < 0:
+            data, self._head = self._head + self._fh.read(), b""
+            return data
+        data, self._head = self._head[:size], self._head[size:]
+        return data
+
+
+def _zstd_start(fh: IO[bytes]) -> _Prefixed:
+    """``fh`` after checking that it starts as zstd data: a spec, a README or a plain tar given
+    where an artifact belongs is :class:`NotAnArtifactError`, not "corrupt or truncated"."""
+    head = b""
+    while len(head) < len(ZSTD_MAGIC) and (more := fh.read(len(ZSTD_MAGIC) - len(head))):
+        head += more
+    if head != ZSTD_MAGIC:
+        raise NotAnArtifactError("not a kiln artifact (an empty file)" if not head else NOT_ZSTD)
+    return _Prefixed(head, fh)
+
+
+@contextlib.contextmanager
+def naming(source: object) -> Iterator[None]:
+    """A :class:`NotAnArtifactError` raised inside, with ``source`` (a path, a URL) named."""
+    try:
+        yield
+    except NotAnArtifactError as exc:
+        raise NotAnArtifactError(f"{source}: {exc.message}") from None
+
+
 @contextlib.contextmanager
 def open_tar_stream(fh: IO[bytes]) -> Iterator[tarfile.TarFile]:
     """A streaming (``r|``) tar reader over zstd: no seeking, so it works on HTTP bodies too.
 
     Bounded: see :class:`_BoundedTarFile`. Errors while reading headers are
     :class:`IntegrityError`; reading a member's data may still raise tarfile/zstd errors.
+    Data that is not zstd at all is :class:`NotAnArtifactError`.
     """
     dctx = zstandard.ZstdDecompressor()
-    with dctx.stream_reader(fh, closefd=False) as zr:
+    with dctx.stream_reader(_zstd_start(fh), closefd=False) as zr:
         reader = _BoundedReader(zr)
         try:
             tar = _BoundedTarFile.open(
@@ -233,7 +279,7 @@ def open_tar_stream(fh: IO[bytes]) -> Iterator[tarfile.TarFile]:
                 reader=reader,
             )
         except _TAR_FAULTS as exc:
-            raise IntegrityError(f"not a readable kiln artifact: {exc}") from None
+            raise NotAnArtifactError(f"not a kiln artifact (zstd, but not a tar: {exc})") from None
         with tar:
             yield tar
 
@@ -297,7 +343,7 @@ def read_manifest_member(tar: tarfile.TarFile, first: tarfile.TarInfo | None = N
     if first is None:
         first = first_member(tar)
     if first is None or first.name != MANIFEST_NAME or not first.isreg():
-        raise IntegrityError("not a kiln artifact: manifest.json is not the first member")
+        raise NotAnArtifactError("not a kiln artifact: manifest.json is not the first member")
     manifest = parse_manifest(read_index_bytes(tar, first, MAX_MANIFEST_BYTES, "artifact"))
     if isinstance(tar, _BoundedTarFile):
         # The manifest, each listed file, and at most one entry per folder they need.
@@ -320,7 +366,7 @@ def read_manifest(path: str | Path) -> Manifest:
     if not p.exists():
         raise NotFoundError(f"{p}: no such artifact")
     try:
-        with open(p, "rb") as fh, open_tar_stream(fh) as tar:
+        with naming(p), open(p, "rb") as fh, open_tar_stream(fh) as tar:
             return read_manifest_member(tar)
     except _TAR_FAULTS as exc:
         raise IntegrityError(f"{p}: not a readable kiln artifact: {exc}") from None

@@ -42,7 +42,13 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
-from kiln.artifact.archive import open_tar_stream, read_manifest_member, sha256_of
+from kiln.artifact.archive import (
+    first_member,
+    naming,
+    open_tar_stream,
+    read_manifest_member,
+    sha256_of,
+)
 from kiln.artifact.keys import (
     SigningKey,
     VerifyKey,
@@ -61,7 +67,7 @@ PAYLOAD_TYPE = "application/vnd.in-toto+json"
 STATEMENT_TYPE = "https://in-toto.io/Statement/v1"
 PREDICATE_TYPE = "https://slsa.dev/provenance/v1"
 # What a kiln bake is, as SLSA's buildType: a URN, since no page of kiln's own can be promised to
-# resolve forever; README.md ("Signed provenance") documents the parameters it implies.
+# resolve forever; docs/signing.md documents the parameters it implies.
 BUILD_TYPE = "urn:torch-kiln:bake:v1"
 SUFFIX = ATTESTATION_SUFFIX
 MAX_ATTESTATION_BYTES = 16 << 20  # the spec is at most 1 MiB; the grid at most 4,096 keys
@@ -358,12 +364,21 @@ def _open_artifact(artifact: Path) -> Any:
 
 
 def _read_artifact(artifact: Path) -> tuple[Manifest, str]:
-    """The manifest and sha256 of one open file (a file swapped in between cannot mix them)."""
-    with _open_artifact(artifact) as fh:
+    """The manifest and sha256 of one open file (a file swapped in between cannot mix them).
+    A bundle is refused with what to do instead: its variants are what restore verifies."""
+    from kiln.artifact.bundle import INDEX_NAME
+
+    with _open_artifact(artifact) as fh, naming(artifact):
         digest = sha256_of(fh)
         fh.seek(0)
         with open_tar_stream(fh) as tar:
-            manifest = read_manifest_member(tar)
+            first = first_member(tar)
+            if first is not None and first.name == INDEX_NAME:
+                raise UsageError(
+                    f"{artifact}: a bundle: bundles are signed per variant "
+                    "(kiln sign each artifact before kiln bundle)"
+                )
+            manifest = read_manifest_member(tar, first)
     return manifest, digest
 
 
@@ -387,13 +402,13 @@ def sign(
     require_sign_extra()
     from securesystemslib.dsse import Envelope
 
-    signing = key if isinstance(key, SigningKey) else load_signing_key(str(key))
     artifact = Path(artifact)
     target = Path(out) if out is not None else attestation_path(artifact)
     if target.absolute() == artifact.absolute():
         raise UsageError(f"-o {target}: is the artifact itself")
-    if manifest is None or sha256 is None:
+    if manifest is None or sha256 is None:  # before the key: "not an artifact" comes first
         manifest, sha256 = _read_artifact(artifact)
+    signing = key if isinstance(key, SigningKey) else load_signing_key(str(key))
     statement = build_statement(
         manifest,
         artifact.name,

@@ -40,6 +40,7 @@ from kiln.artifact.archive import (
     CheckedReader,
     HashingWriter,
     first_member,
+    naming,
     open_tar_stream,
     read_index_bytes,
     read_manifest_member,
@@ -390,7 +391,7 @@ def read_head(path: str | Path) -> Manifest | BundleIndex:
     if p.is_dir() or not p.exists():
         return read_manifest(p)
     try:
-        with open(p, "rb") as fh, open_tar_stream(fh) as tar:
+        with naming(p), open(p, "rb") as fh, open_tar_stream(fh) as tar:
             return _head(tar)
     except _TAR_FAULTS as exc:
         raise IntegrityError(f"{p}: not a readable kiln artifact: {exc}") from None
@@ -551,7 +552,7 @@ def unpack(
     size and sha256; the members before it must be listed, regular, at their listed sizes.
     """
     try:
-        with open_tar_stream(fh) as tar:
+        with naming(source), open_tar_stream(fh) as tar:
             first = first_member(tar)
             if first is None or first.name != INDEX_NAME:
                 manifest = read_manifest_member(tar, first)

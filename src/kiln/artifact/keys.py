@@ -28,15 +28,22 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from kiln.errors import UsageError
+from kiln.installs import extra_hint
 
 if TYPE_CHECKING:
     from securesystemslib.signer import Signature, Signer, SSlibKey
 
-INSTALL_HINT = "pip install 'torch-kiln[sign]'"
 MAX_KEY_BYTES = 64 << 10  # a PEM key is a few hundred bytes
 VERIFY_KEY_ENV = "KILN_VERIFY_KEY"
 KINDS = "Ed25519 or ECDSA P-256"
 _PEM_BEGIN = re.compile(rb"-----BEGIN ([A-Z0-9 ]+)-----")
+
+
+def article(word: str) -> str:
+    """``a`` or ``an`` before ``word`` as it is read aloud: an RSA key, an EC key, a DSA key."""
+    first = word[:1]
+    spelled = word.split(" ")[0].isupper() and len(word.split(" ")[0]) <= 5  # RSA, EC, DSA
+    return "an" if first in "AEIOUaeiou" or (spelled and first in "FHLMNRSX") else "a"
 
 
 def require_sign_extra() -> None:
@@ -47,7 +54,8 @@ def require_sign_extra() -> None:
         import securesystemslib.signer  # noqa: F401
     except ImportError as exc:
         raise UsageError(
-            f"signed provenance needs the [sign] extra ({exc.name} is missing): {INSTALL_HINT}"
+            f"signed provenance needs the [sign] extra ({exc.name} is missing): "
+            + extra_hint("sign")
         ) from None
 
 
@@ -113,7 +121,9 @@ def _check_kind(key: Any, where: str) -> None:
     kind = type(key).__name__.lstrip("_").replace("PrivateKey", "").replace("PublicKey", "")
     curve = getattr(getattr(key, "curve", None), "name", None)
     shown = f"{kind} ({curve})" if curve else kind
-    raise UsageError(f"{where}: a {shown} key; kiln signs and verifies with {KINDS} keys")
+    raise UsageError(
+        f"{where}: {article(shown)} {shown} key; kiln signs and verifies with {KINDS} keys"
+    )
 
 
 def _sslib_key(public_key: Any) -> SSlibKey:
@@ -166,7 +176,8 @@ def load_signing_key(ref: str, option: str = "--key") -> SigningKey:
     kinds = _pem_kinds(data)
     if kinds and all("PRIVATE" not in k for k in kinds):
         raise UsageError(
-            f"{where}: holds a {kinds[0]}, not a private key: sign with the private key"
+            f"{where}: holds {article(kinds[0])} {kinds[0]}, not a private key: "
+            "sign with the private key"
         )
     try:
         key = load_pem_private_key(data, password=None)

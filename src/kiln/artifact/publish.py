@@ -28,6 +28,9 @@ def push(artifact: str | Path, dest: str) -> PushResult:
     src = Path(artifact)
     if not src.is_file():
         raise NotFoundError(f"{artifact}: no such artifact")
+    from kiln.artifact.bundle import read_head
+
+    read_head(src)  # a README or a spec is exit 3 before anything is uploaded or pinned
     store = backend(scheme_of(dest))
     if store is None:
         raise cannot_push(dest)

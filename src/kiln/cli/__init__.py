@@ -16,12 +16,14 @@ import typer
 
 from kiln._version import __version__
 from kiln.cli import artifacts, bench, build, merge, serve, sign
+from kiln.cli.options import KilnCommand, KilnGroup
 from kiln.cli.output import report_error
 from kiln.compiler.launch import ignore_numpy_warning
 from kiln.errors import ExitCode
 
 app = typer.Typer(
     name="kiln",
+    cls=KilnGroup,
     help="Bake torch.compile caches in CI, ship them as verified artifacts, prove they hit.",
     epilog=(
         "Exit codes: 0 ok · 1 internal error · 2 usage or spec error · 3 integrity failure · "
@@ -34,6 +36,8 @@ app = typer.Typer(
 )
 for module in (build, artifacts, merge, serve, bench, sign):
     module.register(app)
+for info in app.registered_commands:
+    info.cls = KilnCommand  # typer's default, TyperCommand, with help that reads like the README
 
 
 def _version(value: bool) -> None:

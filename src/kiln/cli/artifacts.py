@@ -75,6 +75,7 @@ def restore_cmd(
     verify_key: list[str] = typer.Option(
         None,
         "--verify-key",
+        metavar="KEY",
         help="Trusted public key (PEM path, env:NAME or fd:N; repeat for rotation; default "
         "$KILN_VERIFY_KEY, comma-separated): require a signed attestation for these bytes.",
     ),

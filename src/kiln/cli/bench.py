@@ -10,6 +10,7 @@ from kiln.cli.options import JSON, ORDER, QUIET
 from kiln.cli.output import Output, save_json
 from kiln.cli.render import bench_view
 from kiln.grid import Order
+from kiln.installs import require_torch
 
 
 def register(app: typer.Typer) -> None:
@@ -39,13 +40,16 @@ def bench_cmd(
     quiet: bool = QUIET,
 ) -> None:
     """Bake SPEC, then time every mode in its own fresh process and print the ratios."""
-    from kiln.compiler.bench import bench
+    from kiln.compiler.bench import bench, check_modes
 
+    chosen = tuple(m.strip() for m in modes.split(",") if m.strip())
+    check_modes(chosen)  # a mode that does not exist is named before torch is looked for
+    require_torch("bench")
     o = Output(json_, quiet)
     with o.progress() as sink:
         report = bench(
             spec,
-            modes=tuple(m.strip() for m in modes.split(",") if m.strip()),
+            modes=chosen,
             order=order.value,
             cold_run=cold_run,
             repeat=repeat,

@@ -16,12 +16,14 @@ from kiln.cli.options import DEVICE_INDEX, JSON, QUIET, Device
 from kiln.cli.output import Output, esc, plain
 from kiln.cli.render import (
     bucket_table,
+    count,
     fingerprint_table,
     graph_break_table,
     human_bytes,
     print_table,
     proof_line,
 )
+from kiln.installs import require_torch
 from kiln.spec import MAX_PASSES
 
 if TYPE_CHECKING:
@@ -39,7 +41,11 @@ def register(app: typer.Typer) -> None:
 def bake_cmd(
     spec: Path = typer.Argument(..., help="Model spec (YAML)."),
     out: Path = typer.Option(
-        None, "--out", "-o", help="Artifact path [default: NAME.kiln.tar.zst]."
+        None,
+        "--out",
+        "-o",
+        help="Artifact path (a shard's: NAME.shard-I-of-N.kiln.tar.zst).",
+        show_default="NAME.kiln.tar.zst",  # shown by typer, never read as markup
     ),
     passes: int = typer.Option(
         None, "--passes", min=1, max=MAX_PASSES, help="Fresh-process passes in other orders."
@@ -48,7 +54,7 @@ def bake_cmd(
         True,
         "--prove/--no-prove",
         help="End with a fresh process serving the packed artifact restored elsewhere, and "
-        "re-bake what it compiled [default: prove].",
+        "re-bake what it compiled.",
     ),
     strict: bool = typer.Option(
         False, "--strict", help="Exit 6, writing nothing, when the proof still compiles."
@@ -70,16 +76,20 @@ def bake_cmd(
     quiet: bool = QUIET,
 ) -> None:
     """Compile SPEC's grid in an isolated cache root and write a deterministic artifact."""
-    from kiln.compiler.bake import bake
-    from kiln.grid import Shard
+    from kiln.grid import Shard, expand, shard_grid
     from kiln.spec import load_spec
 
     o = Output(json_, quiet)
     sliced = Shard.parse(shard) if shard is not None else None  # exit 2 before the spec loads
     parsed = load_spec(spec)
+    if sliced is not None:
+        shard_grid(parsed, expand(parsed), sliced)  # a slice that cannot be: before torch
     suffix = sliced.suffix if sliced is not None else ""
     target = out or Path(f"{parsed.name}{suffix}.kiln.tar.zst")
     signing = _signing_key(sign_key)  # before compiling: a bad key costs a second, not a bake
+    require_torch("bake")
+    from kiln.compiler.bake import bake
+
     with o.progress() as sink:
         result = bake(
             parsed, target, passes=passes, prove=prove, strict=strict, on_event=sink, shard=sliced
@@ -92,13 +102,15 @@ def bake_cmd(
     def human(c: Console) -> None:
         m = result.manifest
         where = f" (shard {m.shard.label})" if m.shard is not None else ""
-        print_table(c, bucket_table(m.grid, f"{m.name}: {len(m.grid)} buckets baked{where}"))
+        print_table(
+            c, bucket_table(m.grid, f"{m.name}: {count(len(m.grid), 'bucket')} baked{where}")
+        )
         if m.graph_breaks:
             print_table(c, graph_break_table(m.graph_breaks))
         c.print(plain(proof_line(m)))
         c.print(
             f"wrote [bold]{esc(result.artifact)}[/] ({human_bytes(result.size)}, "
-            f"{len(m.entries())} files, "
+            f"{count(len(m.entries()), 'file')}, "
             f"{human_bytes(m.total_bytes)} unpacked) in {result.wall_s:.1f}s"
         )
         c.print(f"sha256 {result.sha256}")
@@ -155,7 +167,14 @@ def env_cmd(
     json_: bool = JSON,
 ) -> None:
     """Print this machine's fingerprint (the fields a manifest records)."""
+    require_torch("env")
     from kiln.compiler.fingerprint import fingerprint
 
+    o = Output(json_)
     fp = fingerprint(device.value, device_index=device_index or 0)
-    Output(json_).emit(fp, lambda c: print_table(c, fingerprint_table(fp, "this environment")))
+    if device is Device.CUDA and not fp.get("gpu.name"):
+        o.warn(
+            "--device cuda: torch sees no GPU here, so this fingerprint has no GPU, capability "
+            "or driver, and its device index is only the one asked for (a bake would be exit 2)"
+        )
+    o.emit(fp, lambda c: print_table(c, fingerprint_table(fp, "this environment")))

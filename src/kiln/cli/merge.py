@@ -9,7 +9,7 @@ from rich.console import Console
 
 from kiln.cli.options import JSON, QUIET
 from kiln.cli.output import Output, esc
-from kiln.cli.render import human_bytes
+from kiln.cli.render import count, human_bytes
 
 
 def register(app: typer.Typer) -> None:
@@ -42,8 +42,9 @@ def merge_cmd(
         m = result.manifest
         shard = f", shards {m.shard.label}" if m.shard is not None else ""
         c.print(
-            f"merged {len(result.inputs)} artifacts into [bold]{esc(result.artifact)}[/] "
-            f"({len(m.grid)} buckets{shard}; {len(m.files)} files, {result.shared_files} shared "
+            f"merged {count(len(result.inputs), 'artifact')} into [bold]{esc(result.artifact)}[/] "
+            f"({count(len(m.grid), 'bucket')}{shard}; {count(len(m.files), 'file')}, "
+            f"{result.shared_files} shared "
             f"and stored once; {human_bytes(result.size)}) in {result.wall_s:.1f}s"
         )
         c.print(f"sha256 {result.sha256}")

@@ -50,6 +50,7 @@ from kiln.events import (
     PassStarted,
     Proving,
     Tuning,
+    Waiting,
     WorkerStarted,
 )
 
@@ -75,8 +76,15 @@ def plain(value: object, style: str = "") -> Text:
 
 
 def console(*, stderr: bool = False) -> Console:
-    """A console for kiln's output: no emoji codes, since the text printed is not all ours."""
-    return Console(stderr=stderr, emoji=False)
+    """A console for kiln's output: no emoji codes, since the text printed is not all ours.
+
+    Piped (a CI log, ``| tee``) a line is never wrapped: rich would assume 80 columns and cut a
+    path or a digest in two, and a grep over the log would miss it. Tables take the width they
+    need there (:func:`kiln.cli.render.print_table`)."""
+    out = Console(stderr=stderr, emoji=False)
+    if not out.is_terminal:
+        out.soft_wrap = True
+    return out
 
 
 def json_text(data: Any) -> str:
@@ -199,6 +207,11 @@ class _ProgressSink:
                 self._bucket_done(e)
             case Heartbeat() as e:
                 self._line(f"still running: {e.what} ({e.elapsed_s:.0f} s)")
+            case Waiting() as e:
+                if self.plain:
+                    self.plain.note(e.message)
+                else:
+                    self.bars.console.print(plain(e.message), highlight=False)
             case Packing() as e:
                 self._task(self.byte_bars, "pack", "pack", e.total)
             case Packed() as e:
@@ -265,6 +278,9 @@ def classify(exc: BaseException) -> tuple[int, str, object | None]:
         return int(ExitCode.USAGE), message + hint, None
     if isinstance(exc, _ClickException):
         return exc.exit_code, exc.format_message(), None
+    if isinstance(exc, ModuleNotFoundError) and exc.name in ("torch", "triton"):
+        # A path that needs torch and missed require_torch: still the one line, not a crash.
+        return int(ExitCode.USAGE), f"this needs {exc.name}, which this install lacks", None
     return int(ExitCode.INTERNAL), f"internal error: {type(exc).__name__}: {exc}", None
 
 

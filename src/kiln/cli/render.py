@@ -40,6 +40,11 @@ FINGERPRINT_ROWS = (
 )
 
 
+def count(n: int, noun: str, plural: str | None = None) -> str:
+    """``1 variant``, ``2 variants``: a count with its noun in the right number."""
+    return f"{n} {noun if n == 1 else plural or noun + 's'}"
+
+
 def ms(seconds: float | None) -> str:
     if seconds is None:
         return "-"
@@ -147,7 +152,7 @@ def bucket_table(buckets: list[BucketStats], title: str, *, verify: bool = False
 
 def graph_break_table(breaks: list[GraphBreak]) -> Table:
     """Every place Dynamo split the model, torch's reason, and whether it depends on data."""
-    table = Table(title=f"{len(breaks)} graph break(s)", title_justify="left")
+    table = Table(title=count(len(breaks), "graph break"), title_justify="left")
     for col in ("where", "reason", "data-dependent", "buckets"):
         table.add_column(col)
     for b in breaks:
@@ -228,12 +233,13 @@ def manifest_view(console: Console, m: Manifest, digest: str | None = None) -> N
         )
     print_table(console, fingerprint_table(m.fingerprint, "baked on"))
     shard = f" (shard {m.shard.label})" if m.shard is not None else ""
-    print_table(console, bucket_table(m.grid, f"grid: {len(m.grid)} buckets{shard}"))
+    print_table(console, bucket_table(m.grid, f"grid: {count(len(m.grid), 'bucket')}{shard}"))
     if m.graph_breaks:
         print_table(console, graph_break_table(m.graph_breaks))
     console.print(plain(proof_line(m)))
     kinds = Table(
-        title=f"{len(m.entries())} files, {human_bytes(m.total_bytes)}", title_justify="left"
+        title=f"{count(len(m.entries()), 'file')}, {human_bytes(m.total_bytes)}",
+        title_justify="left",
     )
     kinds.add_column("kind")
     kinds.add_column("files", justify="right")
@@ -248,7 +254,7 @@ def manifest_view(console: Console, m: Manifest, digest: str | None = None) -> N
 def bundle_view(console: Console, index: BundleIndex) -> None:
     """A bundle's variants, one row each: what selects it (GPU, capability, torch, CUDA) and
     the artifact it installs."""
-    table = Table(title=f"bundle: {len(index.variants)} variants", title_justify="left")
+    table = Table(title=f"bundle: {count(len(index.variants), 'variant')}", title_justify="left")
     for col in ("variant", "device", "GPU", "capability", "torch", "CUDA", "artifact", "size"):
         table.add_column(col, justify="right" if col == "size" else "left")
     table.add_column("sha256")

@@ -13,6 +13,7 @@ from kiln.cli.output import Output, esc
 from kiln.cli.render import bucket_table, factor_table, ms, print_table, verify_failure
 from kiln.errors import KilnError, VerificationError
 from kiln.grid import Order
+from kiln.installs import require_torch
 
 
 class Route(str, Enum):
@@ -40,6 +41,7 @@ def check_cmd(
     json_: bool = JSON,
 ) -> None:
     """Compare the baked fingerprint with this environment; exit 5 if caches would miss."""
+    require_torch("check")
     from kiln.compiler.check import check
 
     report = check(target, device_index=device_index)
@@ -74,6 +76,7 @@ def verify_cmd(
 ) -> None:
     """Serve the grid from CACHE as the first process after a restore; exit 6 if anything
     compiled, tuned, built or wrote (CACHE itself is never written)."""
+    require_torch("verify")
     from kiln.compiler.verify import ROUTES, verify
 
     o = Output(json_, quiet)
@@ -99,7 +102,8 @@ def verify_cmd(
         if report.check and not report.check.ok:
             print_table(c, factor_table(report.check, all_rows=False))
         if not report.spec_matches:
-            o.warn("spec differs from the one baked into this artifact")
+            keys = ", ".join(report.spec_differs) or "its digest"
+            o.warn(f"{spec} differs from the spec baked into this artifact at: {keys}")
         if report.ok:
             c.print("[green]verified[/]: zero compiles over the grid")
 

@@ -29,7 +29,7 @@ import shutil
 import sys
 import tempfile
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from pathlib import Path
@@ -65,6 +65,7 @@ from kiln.events import (
     PassStarted,
     Proving,
     Tuning,
+    Waiting,
     ignore,
 )
 from kiln.grid import Bucket, Shard, expand, ordered, rotations, shard_grid
@@ -169,7 +170,7 @@ def bake(
     # Shards too bake in the one workdir of their spec's name: torch writes that path into
     # native objects, so shards baked elsewhere would collide in `kiln merge` (exit 3).
     with (
-        _stable_workdir(spec.name) as work,
+        _stable_workdir(spec.name, lambda text: emit(Waiting(message=text))) as work,
         inlaunch.lead(work, launched) if launched else contextlib.nullcontext(),
     ):
         baker = _Baker(spec, buckets, work, emit, shard=sliced)
@@ -502,8 +503,28 @@ def _workdir_base() -> Path:
     return Path(tempfile.gettempdir()) / f"kiln-bake-{os.getuid()}"
 
 
+def _take_lock(lock: Any, path: Path, name: str, on_wait: Callable[[str], None]) -> None:
+    """Lock ``path`` (open as ``lock``) for this bake; when another holds it, say whose it is
+    and that this bake waits (a second bake of a name waited a minute without a word), then
+    wait. The holder's pid and start time are written into the file for the next one to read."""
+    try:
+        fcntl.flock(lock.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        lock.seek(0)
+        holder = lock.read(200).decode(errors="replace").strip() or "another process"
+        on_wait(f"waiting: another bake of {name} ({holder}) holds {path}")
+        t0 = time.time()
+        fcntl.flock(lock.fileno(), fcntl.LOCK_EX)
+        on_wait(f"lock taken after {time.time() - t0:.0f} s: baking {name}")
+    lock.seek(0)
+    lock.truncate()
+    started = time.strftime("%H:%M:%S")
+    lock.write(f"pid {os.getpid()}, started {started}".encode())
+    lock.flush()
+
+
 @contextlib.contextmanager
-def _stable_workdir(name: str) -> Iterator[Path]:
+def _stable_workdir(name: str, on_wait: Callable[[str], None]) -> Iterator[Path]:
     """The same cache root for every bake of ``name`` on this machine, one bake at a time.
 
     Torch writes the cache root's absolute path into FX entries and native objects; a random
@@ -513,7 +534,7 @@ def _stable_workdir(name: str) -> Iterator[Path]:
     base = _workdir_base()
     base.mkdir(mode=0o700, exist_ok=True)
     with open(base / f"{name}.lock", "a+b") as lock:
-        fcntl.flock(lock.fileno(), fcntl.LOCK_EX)
+        _take_lock(lock, base / f"{name}.lock", name, on_wait)
         work = base / name
         shutil.rmtree(work, ignore_errors=True)
         work.mkdir()

@@ -16,6 +16,7 @@ from typing import Any
 from kiln.artifact.archive import read_manifest
 from kiln.artifact.manifest import Manifest
 from kiln.compiler.fingerprint import Factor, compare, misses
+from kiln.compiler.location import location_factor, private_inductor_dir
 from kiln.errors import IncompatibleError
 
 
@@ -159,8 +160,13 @@ def check(
         baked = manifest.distributed.ranks[rank].fingerprint
     device = baked.get("device.type", manifest.spec.get("model", {}).get("device", "cpu"))
     index = device_index if device_index is not None else (baked.get("device.index") or 0)
-    here = fingerprint(device, device_index=index, keys=keys and "torch.key" in baked)
-    return compare_manifest(manifest, here, rank=rank, world_size=world_size)
+    where = location_factor(target, manifest, rank)  # read before the probes' folder is set
+    with private_inductor_dir():  # the ISA probes compile there, not into DIR or $TMPDIR
+        here = fingerprint(device, device_index=index, keys=keys and "torch.key" in baked)
+    report = compare_manifest(manifest, here, rank=rank, world_size=world_size)
+    if where is not None:
+        report.factors.append(where)
+    return report
 
 
 def _env_int(*names: str) -> int | None:

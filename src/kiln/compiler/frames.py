@@ -31,7 +31,7 @@ nowhere else:
   1.2 ms per call in every bucket, as eager, against 0.35-0.98 ms cold).
   :func:`compile_model` holds the mode's settings while torch.compile loads.
 
-Risks a server takes on with the route (README, "Serving"): with it on, Dynamo
+Risks a server takes on with the route (docs/serving.md): with it on, Dynamo
 drops identity guards (``ID_MATCH``, closure and dict-version guards) for every compile in the
 process; and the saved frames name the model's module, so the forward must come from a module
 of the same name as at bake time (:func:`mismatch` checks before kiln turns the route on).

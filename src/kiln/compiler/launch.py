@@ -157,6 +157,8 @@ def _run_here(
         args = [str(folder / f"request{suffix}.json"), str(folder / f"outcome{suffix}.json")]
         command = ranks.launch_command(world, args) if world else worker_command(args)
         child_env = ranks.launch_env(worker_env(env)) if world else worker_env(env)
+        if "TMPDIR" not in env:  # a served process's own (verify watches it) stands
+            child_env["TMPDIR"] = str(private_tmp(folder))
         spawned, returncode = spawn(
             folder, command, child_env, on_event, heartbeat_s, timeout, graceful=bool(world)
         )
@@ -165,6 +167,17 @@ def _run_here(
         paths = [folder / f"outcome{i}.json" for i in range(world)] or [folder / "outcome.json"]
         outcomes = [read_outcome(path) for path in paths]
     return spawned, ended, returncode, log, outcomes
+
+
+def private_tmp(folder: Path) -> Path:
+    """The worker's ``TMPDIR``: inside its own ``kiln-worker-*`` folder, which is removed when
+    the worker ends, SIGTERM and Ctrl-C included. What torch and gcc put under ``TMPDIR`` goes
+    with it: Inductor's precompiled headers (``torchinductor_$USER/precompiled_headers``, over
+    100 MB, left behind by every bake otherwise) and gcc's temporary files of a compile that was
+    killed. The bake's cache root is chosen by the parent, so no cache path depends on it."""
+    tmp = folder / "tmp"
+    tmp.mkdir(exist_ok=True)
+    return tmp
 
 
 def _raise(spec: Spec, failure: WorkerFailure, log: str, where: str) -> WorkerRun:

@@ -34,7 +34,7 @@ from kiln.compiler.protocol import WorkerRequest, input_stream
 from kiln.errors import IncompatibleError, NotFoundError, UsageError
 from kiln.events import EventSink
 from kiln.files import atomic_write
-from kiln.grid import expand, ordered
+from kiln.grid import expand, off_grid, ordered
 from kiln.serving import (
     BYTECODE_DIR,
     INDUCTOR_DIR,
@@ -43,7 +43,7 @@ from kiln.serving import (
     rank_dir,
     served_torch_kwargs,
 )
-from kiln.spec import Spec, load_spec
+from kiln.spec import Spec, differing_keys, load_spec
 
 _VERIFY_STREAMS = 100  # input streams below this are the bake's passes
 # The routes a server takes to a restored folder: plain torch.compile after `. kiln.env`, and
@@ -65,6 +65,8 @@ class VerifyReport:
     routes: list[str] = field(default_factory=lambda: ["plain"])
     # How the folder differs from what restore installed (files added, removed, changed).
     folder_changes: list[str] = field(default_factory=list)
+    spec_differs: list[str] = field(default_factory=list)  # dotted keys, when not spec_matches
+    baked_grid: list[dict[str, int]] = field(default_factory=list)  # each baked bucket's sizes
 
     @property
     def failing(self) -> list[BucketStats]:
@@ -77,7 +79,10 @@ class VerifyReport:
     def reasons(self) -> list[str]:
         factors = ", ".join(f.name for f in self.check.misses) if self.check else ""
         changed = [changed_line(self.folder_changes)] if self.folder_changes else []
-        return changed + [explain(b, factors, self.graph_breaks) for b in self.failing]
+        return changed + [
+            explain(b, factors, self.graph_breaks, off_grid(b.sizes, self.baked_grid))
+            for b in self.failing
+        ]
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -85,6 +90,7 @@ class VerifyReport:
             "ok": self.ok,
             "order": self.order,
             "spec_matches": self.spec_matches,
+            "spec_differs": self.spec_differs,
             "time_to_ready_s": round(self.time_to_ready_s, 3),
             "time_to_warm_s": round(self.time_to_warm_s, 3),
             "routes": self.routes,
@@ -97,14 +103,20 @@ class VerifyReport:
         }
 
 
-def explain(bucket: BucketStats, factors: str = "", breaks: Sequence[GraphBreak] = ()) -> str:
+def explain(
+    bucket: BucketStats,
+    factors: str = "",
+    breaks: Sequence[GraphBreak] = (),
+    outside: str | None = None,
+) -> str:
     """One line on what compiled in ``bucket`` and the most specific cause we know.
 
     A graph that missed is a cache-key question (name the differing factor), or the code after
     a data-dependent graph break reached with data the bake never drew (name the break: a
     shape guard quoted there would send the reader the wrong way), else torch's recompile
     reason. Kernels rebuilt while every graph hit are a different problem again — Triton
-    re-tuning or rebuilding.
+    re-tuning or rebuilding. ``outside`` (:func:`kiln.grid.off_grid`) says the bucket was never
+    baked: that is the cause, whatever guard torch quotes.
     """
     b = bucket
     graphs = b.fx_misses + b.fx_bypass + b.aot_misses + b.precompile_misses
@@ -120,7 +132,9 @@ def explain(bucket: BucketStats, factors: str = "", breaks: Sequence[GraphBreak]
     )
     what = ", ".join(f"{n} {one if n == 1 else many}" for n, one, many in counts if n)
     seam = data_dependent_break(b, breaks) if graphs and not factors else None
-    if seam is not None:
+    if outside is not None:
+        hint = f"{outside}: the bake never compiled it"
+    elif seam is not None:
         hint = (
             f"serving data reached code after the data-dependent graph break at {seam.where} "
             f"({seam.reason}) that the bake's inputs never did"
@@ -284,6 +298,12 @@ def verify(
         time_to_ready_s=lead.time_to_ready,
         time_to_warm_s=lead.time_to_warm,
         spec_matches=spec.sha256() == manifest.spec_sha256,
+        spec_differs=(
+            differing_keys(manifest.spec, spec.canonical())
+            if spec.sha256() != manifest.spec_sha256
+            else []
+        ),
+        baked_grid=[b.sizes for b in manifest.grid],
         graph_breaks=manifest.graph_breaks,
         extra={
             "precompile_load_s": lead.result.precompile_load_s,

@@ -30,6 +30,7 @@ from typing import IO, Any, BinaryIO, NamedTuple
 
 from kiln.errors import IntegrityError, KilnError, UsageError
 from kiln.files import CHUNK
+from kiln.installs import extra_hint
 
 ByteSink = Callable[[int, int | None], None]  # (bytes so far, total or None)
 # A bundle's variant chooser, (candidates, source) -> choice: kiln.artifact.bundle.Selector.choose.
@@ -260,9 +261,7 @@ def need_extra(module: str, extra: str) -> ModuleType:
     try:
         return importlib.import_module(module)
     except ImportError:
-        raise UsageError(
-            f"this source needs the {extra!r} extra: pip install 'torch-kiln[{extra}]'"
-        ) from None
+        raise UsageError(f"this source needs the {extra!r} extra: {extra_hint(extra)}") from None
 
 
 # --- results --------------------------------------------------------------------------------

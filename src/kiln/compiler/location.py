@@ -1,0 +1,77 @@
+"""Where this process's Inductor caches are, against the restored folder ``kiln check`` checks;
+and a private folder for what checking itself compiles.
+
+Two things ``kiln check DIR`` did not see, or did wrong:
+
+- **Where the caches really are.** ``kiln.env`` records the absolute path DIR was restored at.
+  Sourced after the folder was moved or copied, it points torch at the old path (or at nothing),
+  every fingerprint factor still matches, and check said "compatible" while the server compiled
+  everything. :func:`location_factor` compares ``TORCHINDUCTOR_CACHE_DIR`` as this process has it
+  with DIR's own cache folder and names the difference as a miss.
+- **Probes.** Fingerprinting asks Inductor which CPU vector ISAs work, and Inductor answers by
+  compiling small probe libraries into its cache folder: ``$TMPDIR/torchinductor_$USER`` when
+  none is set (left behind), DIR's own folder once ``kiln.env`` is sourced (written into the
+  restored caches). :func:`private_inductor_dir` gives them a temporary folder that is removed.
+
+Needs torch only through the fingerprint it wraps.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import tempfile
+from collections.abc import Iterator, Mapping
+from pathlib import Path
+
+from kiln.artifact.manifest import Manifest
+from kiln.factors import Factor
+from kiln.serving import INDUCTOR_DIR, rank_dir
+
+CACHE_VAR = "TORCHINDUCTOR_CACHE_DIR"
+FACTOR = f"env.{CACHE_VAR}"
+
+
+def location_factor(
+    target: str | Path,
+    manifest: Manifest,
+    rank: int | None,
+    environ: Mapping[str, str] | None = None,
+) -> Factor | None:
+    """This process's ``TORCHINDUCTOR_CACHE_DIR`` against the restored folder ``target`` (None
+    for an artifact file, which is restored nowhere yet). Unset is a note, not a miss: a server
+    that calls ``kiln.activate(DIR)`` sets it itself. Set to anything but DIR's folder is a miss."""
+    folder = Path(target)
+    if not folder.is_dir():
+        return None
+    environ = os.environ if environ is None else environ
+    serving_rank = (rank or 0) if manifest.distributed is not None else None
+    expected = rank_dir(folder.absolute(), serving_rank) / INDUCTOR_DIR
+    here = environ.get(CACHE_VAR) or None
+    if here is None:
+        note = f"not set here: serve through kiln.activate(DIR), or source {folder}/kiln.env"
+        return Factor(FACTOR, str(expected), None, False, False, note)
+    if os.path.realpath(here) == os.path.realpath(expected):
+        return Factor(FACTOR, str(expected), here, True, False, "where this process's caches are")
+    note = (
+        "this process's caches are elsewhere, not in DIR: kiln.env records the path DIR was "
+        "restored at (a moved or copied folder keeps the old one); restore at the path the "
+        "server uses"
+    )
+    return Factor(FACTOR, str(expected), here, False, True, note)
+
+
+@contextlib.contextmanager
+def private_inductor_dir() -> Iterator[Path]:
+    """Point torch's Inductor cache at a temporary folder for the block (the fingerprint's ISA
+    probes land there), then remove it and put ``TORCHINDUCTOR_CACHE_DIR`` back as it was."""
+    saved = os.environ.get(CACHE_VAR)
+    with tempfile.TemporaryDirectory(prefix="kiln-check-") as tmp:
+        os.environ[CACHE_VAR] = tmp
+        try:
+            yield Path(tmp)
+        finally:
+            if saved is None:
+                os.environ.pop(CACHE_VAR, None)
+            else:
+                os.environ[CACHE_VAR] = saved

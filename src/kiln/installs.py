@@ -1,0 +1,45 @@
+"""What this install holds, and how to add what a command lacks, worded for that install.
+
+kiln installs two ways: with torch (``pip install torch-kiln``) and without it
+(``scripts/install-restore.sh``, the ``kiln:restore`` image), where restore, inspect, push,
+merge, bundle and sign run. Advice has to fit the install it is printed in: in a torch-free one,
+``pip install 'torch-kiln[sign]'`` would pull torch in, and a command that needs torch must say
+so in one line (exit 2) rather than die on ``import torch``. Torch-free.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+
+from kiln.errors import UsageError
+
+RESTORE_INSTALL = "scripts/install-restore.sh"
+
+
+def has_torch() -> bool:
+    """Whether ``import torch`` can succeed here, without importing it."""
+    try:
+        return importlib.util.find_spec("torch") is not None
+    except (ImportError, ValueError):  # a broken or stubbed-out entry in sys.modules
+        return False
+
+
+def extra_hint(extra: str) -> str:
+    """How to add the optional dependencies ``extra`` names, in this kind of install."""
+    if has_torch():
+        return f"pip install 'torch-kiln[{extra}]'"
+    return (
+        f"KILN_EXTRAS={extra} {RESTORE_INSTALL} PYTHON torch-kiln "
+        f"(pip install 'torch-kiln[{extra}]' would pull in torch)"
+    )
+
+
+def require_torch(command: str) -> None:
+    """Exit 2, in one line, when ``kiln COMMAND`` runs in an install without torch."""
+    if not has_torch():
+        raise UsageError(
+            f"kiln {command} needs torch, and this install has none (a torch-free install, "
+            f"as {RESTORE_INSTALL} makes, runs restore, inspect, push, merge, bundle and sign): "
+            "install your torch build, then pip install torch-kiln; "
+            "or run it in the kiln:bake image"
+        )
