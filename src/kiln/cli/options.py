@@ -25,3 +25,11 @@ class Device(str, Enum):
 
     CPU = "cpu"
     CUDA = "cuda"
+
+
+class OnMissChoice(str, Enum):
+    """``--on-miss``: kiln.serving.ON_MISS as a choice (tests hold the two lists together)."""
+
+    ERROR = "error"
+    EAGER = "eager"
+    COMPILE = "compile"
