@@ -468,6 +468,8 @@ def rewrite_buckets(text: str, buckets: Mapping[str, list[int]], file: str) -> s
     for key, value in section.value:
         if key.value in buckets:
             start, end = value.start_mark.index, value.end_mark.index
+            if isinstance(value, yaml.SequenceNode) and not value.flow_style and value.value:
+                end = value.value[-1].end_mark.index  # a block list ends at its last item
             edits.append((start, end, "[" + ", ".join(map(str, buckets[key.value])) + "]"))
     out = text
     for start, end, new in sorted(edits, reverse=True):
