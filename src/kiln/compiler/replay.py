@@ -297,12 +297,16 @@ def run(request: ReplayRequest) -> ReplayResult:
     axes = list(spec.buckets)
     call_kwargs = dict(spec.model.call_kwargs)
     records = []
+    off_files: set[str] = set()
     with torch.inference_mode():
         for i, sizes in enumerate(request.requests):
             bucket = Bucket(tuple(zip(axes, sizes, strict=True)))
             inputs = make_inputs(spec, bucket, device, request.seed + i)
             before, mark = CompileCounters.read(), dynamo.mark()
             missed = getattr(served, "misses", 0)
+            # An off-grid request may compile (on_miss: compile): its files are its own.
+            off = isinstance(served, PaddedModel) and served.grid.lookup(bucket.as_dict()) is None
+            pre = snapshot(root) if off else set()
             sync()
             t0 = time.perf_counter()
             try:
@@ -312,9 +316,11 @@ def run(request: ReplayRequest) -> ReplayResult:
             except OffGridError:
                 out, latency = None, None
             traced = len(dynamo.frames_since(mark)) if frames else 0
+            written = snapshot(root) - pre if off else set()
+            off_files |= written
             counts = compile_counts(
                 CompileCounters.read() - before,
-                (),
+                written,
                 precompile_misses=getattr(served, "misses", 0) - missed + traced,
             )
             stats = served.stats if isinstance(served, PaddedModel) else None
@@ -339,7 +345,7 @@ def run(request: ReplayRequest) -> ReplayResult:
                     max_abs_diff=diff,
                 )
             )
-    new = sorted(snapshot(root) - files)
+    new = sorted(snapshot(root) - files - off_files)  # written by in-grid requests
     compiled = compile_counts(CompileCounters(), new).new_files
     padding = served.stats.to_dict() if isinstance(served, PaddedModel) else {}
     return ReplayResult(records=records, startup_s=startup, new_files=compiled, padding=padding)
