@@ -166,6 +166,46 @@ def test_a_spec_without_padding_keeps_its_digest() -> None:
     assert padded.sha256() != spec.sha256()
 
 
+def test_the_grid_comes_from_a_manifest_without_torch(tmp_path) -> None:
+    """An engine that pads itself reads the baked buckets (only those) and pad values from a
+    restored folder's manifest in a process where torch cannot be imported."""
+    import subprocess
+    import sys
+
+    from kiln.artifact.manifest import BucketStats
+    from tests.archives import manifest_for
+    from tests.conftest import NO_TORCH
+
+    spec = parse_spec(spec_text(TOKENS + MASK, extra="exclude:\n  - {batch: 4, seq: 256}\n"))
+    grid = [
+        BucketStats(
+            key=f"batch={b},seq={s}", sizes={"batch": b, "seq": s}, first_call_s=1, steady_s=0
+        )
+        for b, s in itertools.product([1, 4, 16], [128, 256, 512])
+        if (b, s) != (4, 256)
+    ]
+    manifest = manifest_for({}, spec=spec.canonical(), grid=grid)
+    (tmp_path / "manifest.json").write_text(manifest.model_dump_json())
+    code = (
+        NO_TORCH + "from kiln.artifact.archive import read_manifest; "
+        "from kiln.padding import PadGrid; "
+        f"g = PadGrid.from_manifest(read_manifest({str(tmp_path)!r})); "
+        "print(g.fit(batch=3, seq=137), sorted(g.paddable), "
+        "PadGrid.from_manifest(read_manifest("
+        f"{str(tmp_path)!r}), paddable=['seq']).lookup({{'batch': 3, 'seq': 5}}))"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", "import sys; " + code], capture_output=True, text=True, check=True
+    )
+    assert out.stdout.strip() == "{'batch': 4, 'seq': 512} ['batch', 'seq'] None"
+
+
+def test_the_cli_offers_exactly_the_on_miss_policies() -> None:
+    from kiln.cli.options import OnMissChoice
+
+    assert tuple(c.value for c in OnMissChoice) == ON_MISS
+
+
 # --- the padded call, in process (an eager model stands in for the compiled one) ----------
 torch = pytest.importorskip("torch")
 
