@@ -26,6 +26,7 @@ from typing import Any
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from kiln.artifact.archive import read_manifest
+from kiln.compiler.counters import CompileCounters
 from kiln.compiler.launch import WorkerError, _error, _spawn, _tail, heartbeat_interval
 from kiln.compiler.protocol import WorkerFailure
 from kiln.compiler.verify import check_world_size
@@ -277,78 +278,110 @@ def run(request: ReplayRequest) -> ReplayResult:
     import torch
 
     from kiln.compiler.capture import snapshot
-    from kiln.compiler.counters import CompileCounters, compile_counts
+    from kiln.compiler.counters import compile_counts
     from kiln.compiler.dynamo_log import DynamoLog
-    from kiln.compiler.padded import PaddedModel, _leaves
-    from kiln.compiler.worker import _build_model, _setup_device, _synchronizer, make_inputs
-    from kiln.grid import Bucket
+    from kiln.compiler.padded import PaddedModel
+    from kiln.compiler.worker import _build_model, _setup_device, _synchronizer
+    from kiln.padding import PadGrid
 
     spec = load_spec(request.spec_path)
     device = _setup_device(spec, request.device_index)
-    sync = _synchronizer(device)
     model = _build_model(spec, device)
     served = activation.compile(model, on_miss=request.on_miss)
-    frames = activation.manifest.precompiled_frames is not None
-    dynamo = DynamoLog().install()
-    root = Path(request.cache) / INDUCTOR_DIR
-    files = snapshot(root)
-    sync()
+    replayer = _Replayer(
+        spec=spec,
+        device=device,
+        sync=_synchronizer(device),
+        model=model,
+        served=served,
+        grid=PadGrid.from_manifest(activation.manifest),
+        dynamo=DynamoLog().install(),
+        frames=activation.manifest.precompiled_frames is not None,
+        root=Path(request.cache) / INDUCTOR_DIR,
+        eager=request.eager,
+    )
+    files = snapshot(replayer.root)
+    replayer.sync()
     startup = time.time() - started
-    axes = list(spec.buckets)
-    call_kwargs = dict(spec.model.call_kwargs)
-    records = []
-    off_files: set[str] = set()
     with torch.inference_mode():
-        for i, sizes in enumerate(request.requests):
-            bucket = Bucket(tuple(zip(axes, sizes, strict=True)))
-            inputs = make_inputs(spec, bucket, device, request.seed + i)
-            before, mark = CompileCounters.read(), dynamo.mark()
-            missed = getattr(served, "misses", 0)
-            # An off-grid request may compile (on_miss: compile): its files are its own.
-            off = isinstance(served, PaddedModel) and served.grid.lookup(bucket.as_dict()) is None
-            pre = snapshot(root) if off else set()
-            sync()
-            t0 = time.perf_counter()
-            try:
-                out = served(**inputs, **call_kwargs)
-                sync()
-                latency: float | None = time.perf_counter() - t0
-            except OffGridError:
-                out, latency = None, None
-            traced = len(dynamo.frames_since(mark)) if frames else 0
-            written = snapshot(root) - pre if off else set()
-            off_files |= written
-            counts = compile_counts(
-                CompileCounters.read() - before,
-                written,
-                precompile_misses=getattr(served, "misses", 0) - missed + traced,
-            )
-            stats = served.stats if isinstance(served, PaddedModel) else None
-            at = stats.last_bucket if stats is not None else dict(bucket.sizes)
-            eager_s = diff = None
-            if request.eager:
-                sync()
-                t0 = time.perf_counter()
-                ref = model(**inputs, **call_kwargs)
-                sync()
-                eager_s = time.perf_counter() - t0
-                if out is not None:
-                    diff = _max_abs_diff(dict(_leaves(out)), dict(_leaves(ref)))
-            records.append(
-                RequestRecord(
-                    key=bucket.key,
-                    bucket=shape_key(at) if at is not None else None,
-                    compiles=counts.compiles,
-                    latency_s=latency,
-                    overhead_s=stats.last_overhead_s if stats is not None else 0.0,
-                    eager_s=eager_s,
-                    max_abs_diff=diff,
-                )
-            )
-    new = sorted(snapshot(root) - files - off_files)  # written by in-grid requests
-    compiled = compile_counts(CompileCounters(), new).new_files
+        records = [
+            replayer.serve(sizes, request.seed + i) for i, sizes in enumerate(request.requests)
+        ]
+    new = sorted(snapshot(replayer.root) - files - replayer.off_files)  # in-grid requests wrote
     padding = served.stats.to_dict() if isinstance(served, PaddedModel) else {}
-    return ReplayResult(records=records, startup_s=startup, new_files=compiled, padding=padding)
+    return ReplayResult(
+        records=records,
+        startup_s=startup,
+        new_files=compile_counts(CompileCounters(), new).new_files,
+        padding=padding,
+    )
+
+
+@dataclass
+class _Replayer:
+    """Serves one request at a time and measures it (the replay process's state)."""
+
+    spec: Spec
+    device: Any
+    sync: Any
+    model: Any
+    served: Any
+    grid: Any  # kiln.padding.PadGrid
+    dynamo: Any  # kiln.compiler.dynamo_log.DynamoLog
+    frames: bool  # saved Dynamo frames served: a traced frame is a miss
+    root: Path
+    eager: bool
+    off_files: set[str] = field(default_factory=set)  # compiled by off-grid requests
+
+    def serve(self, sizes: list[int], seed: int) -> RequestRecord:
+        from kiln.compiler.capture import snapshot
+        from kiln.compiler.counters import compile_counts
+        from kiln.compiler.padded import _leaves
+        from kiln.compiler.worker import make_inputs
+        from kiln.grid import Bucket
+
+        bucket = Bucket(tuple(zip(self.spec.buckets, sizes, strict=True)))
+        inputs = make_inputs(self.spec, bucket, self.device, seed)
+        call_kwargs = dict(self.spec.model.call_kwargs)
+        at = self.grid.lookup(bucket.as_dict())
+        before, mark = CompileCounters.read(), self.dynamo.mark()
+        missed = getattr(self.served, "misses", 0)
+        pre = snapshot(self.root) if at is None else set()  # an off-grid compile is its own
+        self.sync()
+        t0 = time.perf_counter()
+        try:
+            out = self.served(**inputs, **call_kwargs)
+            self.sync()
+            latency: float | None = time.perf_counter() - t0
+        except OffGridError:
+            out, latency = None, None
+        traced = len(self.dynamo.frames_since(mark)) if self.frames else 0
+        written = snapshot(self.root) - pre if at is None else set()
+        self.off_files |= written
+        counts = compile_counts(
+            CompileCounters.read() - before,
+            written,
+            precompile_misses=getattr(self.served, "misses", 0) - missed + traced,
+        )
+        stats = getattr(self.served, "stats", None)
+        eager_s = diff = None
+        if self.eager:
+            self.sync()
+            t0 = time.perf_counter()
+            ref = self.model(**inputs, **call_kwargs)
+            self.sync()
+            eager_s = time.perf_counter() - t0
+            if out is not None:
+                diff = _max_abs_diff(dict(_leaves(out)), dict(_leaves(ref)))
+        return RequestRecord(
+            key=bucket.key,
+            bucket=shape_key(at) if at is not None else None,
+            compiles=counts.compiles,
+            latency_s=latency,
+            overhead_s=stats.last_overhead_s if stats is not None else 0.0,
+            eager_s=eager_s,
+            max_abs_diff=diff,
+        )
 
 
 def _max_abs_diff(served: dict[Any, Any], eager: dict[Any, Any]) -> float:
