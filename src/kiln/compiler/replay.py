@@ -1,11 +1,13 @@
 """Replay: serve a traffic log's shapes through the padding path, in a fresh process.
 
 ``kiln verify SPEC --cache DIR --traffic LOG`` proves what a server on the restored folder will
-do with the sizes its users send: a new interpreter calls ``kiln.activate(DIR).compile(model)``
-exactly as a server would, then sends every logged request (random data at the logged sizes,
-in log order, each line ``count`` times), and measures per request what compiled, the latency,
-the host time the padding path added, and (with ``eager``) the unpadded eager call and how far
-its output is from the served one. Every in-grid request must compile nothing (exit 6
+do with the sizes its users send. As verify does, it serves a private copy of DIR with an empty
+``HOME`` and ``TMPDIR`` (DIR stays as found, and every file the process writes in any of the
+three is compile work): a new interpreter calls ``kiln.activate(DIR).compile(model)`` exactly
+as a server would, then sends every logged request (random data at the logged sizes, in log
+order, each line ``count`` times), and measures per request what compiled or was written, the
+latency, the host time the padding path added, and (with ``eager``) the unpadded eager call and
+how far its output is from the served one. Every in-grid request must compile nothing (exit 6
 otherwise); requests off the grid follow ``on_miss`` and are reported, not failed.
 ``kiln bench SPEC --traffic LOG`` bakes, restores and replays with the eager comparison.
 """
@@ -30,6 +32,7 @@ from kiln.compiler.counters import CompileCounters
 from kiln.compiler.launch import WorkerError, _error, _spawn, _tail, heartbeat_interval
 from kiln.compiler.protocol import WorkerFailure
 from kiln.compiler.verify import check_world_size
+from kiln.compiler.writes import Watch
 from kiln.errors import IncompatibleError, NotFoundError, UsageError
 from kiln.events import EventSink
 from kiln.padding import OffGridError, shape_key
@@ -46,7 +49,11 @@ class _Message(BaseModel):
 
 class ReplayRequest(_Message):
     spec_path: str
-    cache: str
+    cache: str = Field(description="the private copy of the restored folder this process serves")
+    watch: dict[str, str] = Field(
+        default_factory=dict,
+        description="label -> folder it must not write to (kiln.compiler.writes)",
+    )
     requests: list[list[int]] = Field(description="axis sizes per request, in spec axis order")
     on_miss: OnMiss | None = None
     eager: bool = False
@@ -69,7 +76,11 @@ class RequestRecord(_Message):
 class ReplayResult(_Message):
     records: list[RequestRecord]
     startup_s: float = Field(description="process start to the model served (activate, build)")
-    new_files: list[str] = Field(default_factory=list, description="compiled files written")
+    new_files: list[str] = Field(
+        default_factory=list,
+        description="files written at start-up or by in-grid requests where a served process "
+        "must not write (the folder, HOME, TMPDIR): each is compile work",
+    )
     padding: dict[str, Any] = Field(default_factory=dict)
 
 
@@ -147,7 +158,8 @@ class ReplayReport:
     def reasons(self) -> list[str]:
         out = [f"{r.key} (bucket {r.bucket}): {r.compiles} compile(s)" for r in self.failing[:10]]
         if self.result.new_files:
-            out.append(f"{len(self.result.new_files)} compiled file(s) written to the cache")
+            shown = ", ".join(self.result.new_files[:3])
+            out.append(f"{len(self.result.new_files)} file(s) written while serving: {shown}")
         return out
 
     def to_dict(self) -> dict[str, Any]:
@@ -207,7 +219,17 @@ def replay(
     )
     policy = on_miss or manifest.spec.get("compile", {}).get("on_miss") or "error"
     t0 = time.time()
-    result = _run(spec, request, cache_env(cache, manifest.env), on_event)
+    # As verify serves (kiln.compiler.verify.serve_copy): a private copy of the folder, an
+    # empty HOME and TMPDIR, all watched, so the restored folder stays as found.
+    with tempfile.TemporaryDirectory(prefix="kiln-replay-") as tmp:
+        served, home, temp = Path(tmp, "dest"), Path(tmp, "home"), Path(tmp, "tmp")
+        shutil.copytree(cache, served, symlinks=True)
+        home.mkdir()
+        temp.mkdir()
+        watch = {"DIR": str(served), "HOME": str(home), "TMPDIR": str(temp)}
+        env = cache_env(served, manifest.env) | {"HOME": str(home), "TMPDIR": str(temp)}
+        request = request.model_copy(update={"cache": str(served), "watch": watch})
+        result = _run(spec, request, env, on_event)
     return ReplayReport(manifest.name, str(traffic), policy, result, time.time() - t0)
 
 
@@ -272,13 +294,13 @@ def bench_traffic(
 def run(request: ReplayRequest) -> ReplayResult:
     """Serve every request as a server on the restored folder would (see the module docstring)."""
     started = time.time()
+    watch = _watch(request)
+    at_start = watch.snapshot()  # before torch: its import may write too
     import kiln
 
     activation = kiln.activate(request.cache, compat="warn", device_index=request.device_index)
     import torch
 
-    from kiln.compiler.capture import snapshot
-    from kiln.compiler.counters import compile_counts
     from kiln.compiler.dynamo_log import DynamoLog
     from kiln.compiler.padded import PaddedModel
     from kiln.compiler.worker import _build_model, _setup_device, _synchronizer
@@ -297,22 +319,22 @@ def run(request: ReplayRequest) -> ReplayResult:
         grid=PadGrid.from_manifest(activation.manifest),
         dynamo=DynamoLog().install(),
         frames=activation.manifest.precompiled_frames is not None,
-        root=Path(request.cache) / INDUCTOR_DIR,
+        watch=watch,
         eager=request.eager,
     )
-    files = snapshot(replayer.root)
     replayer.sync()
     startup = time.time() - started
+    at_start_written = watch.written(at_start, watch.snapshot())
     with torch.inference_mode():
         records = [
             replayer.serve(sizes, request.seed + i) for i, sizes in enumerate(request.requests)
         ]
-    new = sorted(snapshot(replayer.root) - files - replayer.off_files)  # in-grid requests wrote
+    new = sorted({*at_start_written, *replayer.in_grid_written})
     padding = served.stats.to_dict() if isinstance(served, PaddedModel) else {}
     return ReplayResult(
         records=records,
         startup_s=startup,
-        new_files=compile_counts(CompileCounters(), new).new_files,
+        new_files=new,
         padding=padding,
     )
 
@@ -329,12 +351,11 @@ class _Replayer:
     grid: Any  # kiln.padding.PadGrid
     dynamo: Any  # kiln.compiler.dynamo_log.DynamoLog
     frames: bool  # saved Dynamo frames served: a traced frame is a miss
-    root: Path
+    watch: Watch
     eager: bool
-    off_files: set[str] = field(default_factory=set)  # compiled by off-grid requests
+    in_grid_written: set[str] = field(default_factory=set)  # an off-grid request's are its own
 
     def serve(self, sizes: list[int], seed: int) -> RequestRecord:
-        from kiln.compiler.capture import snapshot
         from kiln.compiler.counters import compile_counts
         from kiln.compiler.padded import _leaves
         from kiln.compiler.worker import make_inputs
@@ -346,7 +367,7 @@ class _Replayer:
         at = self.grid.lookup(bucket.as_dict())
         before, mark = CompileCounters.read(), self.dynamo.mark()
         missed = getattr(self.served, "misses", 0)
-        pre = snapshot(self.root) if at is None else set()  # an off-grid compile is its own
+        pre = self.watch.snapshot()
         self.sync()
         t0 = time.perf_counter()
         try:
@@ -356,11 +377,13 @@ class _Replayer:
         except OffGridError:
             out, latency = None, None
         traced = len(self.dynamo.frames_since(mark)) if self.frames else 0
-        written = snapshot(self.root) - pre if at is None else set()
-        self.off_files |= written
+        written = self.watch.written(pre, self.watch.snapshot())
+        if at is not None:
+            self.in_grid_written.update(written)
         counts = compile_counts(
             CompileCounters.read() - before,
             written,
+            served=True,
             precompile_misses=getattr(self.served, "misses", 0) - missed + traced,
         )
         stats = getattr(self.served, "stats", None)
@@ -382,6 +405,14 @@ class _Replayer:
             eager_s=eager_s,
             max_abs_diff=diff,
         )
+
+
+def _watch(request: ReplayRequest) -> Watch:
+    """The folders this process must leave as they are, with the sha256 of every file restore
+    installed in the served one (a rewrite with the same bytes is no change)."""
+    folders = {label: Path(folder) for label, folder in request.watch.items()}
+    shipped = {f"DIR/{e.path}": e.sha256 for e in read_manifest(request.cache).entries()}
+    return Watch(folders, shipped)
 
 
 def _max_abs_diff(served: dict[Any, Any], eager: dict[Any, Any]) -> float:
