@@ -212,6 +212,50 @@ def encoder(
     return TokenEncoder(vocab, dim, layers, heads, break_after)
 
 
+class MaskedEncoder(nn.Module):
+    """A bidirectional encoder that takes an attention mask (1: a token, 0: padding), so padded
+    positions change nothing the real ones compute: the reference model for serving a grid by
+    padding (docs/padding.md). Returns every token's hidden state and their masked mean."""
+
+    def __init__(self, vocab: int, dim: int, layers: int, heads: int) -> None:
+        super().__init__()
+        self.heads = heads
+        self.embed = nn.Embedding(vocab, dim)
+        self.pos = nn.Embedding(512, dim)
+        self.qkv = nn.ModuleList(nn.Linear(dim, 3 * dim) for _ in range(layers))
+        self.out = nn.ModuleList(nn.Linear(dim, dim) for _ in range(layers))
+        self.mlp = nn.ModuleList(
+            nn.Sequential(nn.Linear(dim, 4 * dim), nn.GELU(), nn.Linear(4 * dim, dim))
+            for _ in range(layers)
+        )
+        self.n1 = nn.ModuleList(nn.LayerNorm(dim) for _ in range(layers))
+        self.n2 = nn.ModuleList(nn.LayerNorm(dim) for _ in range(layers))
+
+    def forward(
+        self, input_ids: torch.Tensor, attention_mask: torch.Tensor
+    ) -> dict[str, torch.Tensor]:
+        b, s = input_ids.shape
+        x = self.embed(input_ids) + self.pos(torch.arange(s, device=input_ids.device))
+        keep = attention_mask.to(x.dtype)
+        # Additive mask over keys: a large negative, not -inf, so a row that is all padding
+        # (a padded batch row) stays finite instead of turning into NaN.
+        bias = ((1.0 - keep) * torch.finfo(x.dtype).min)[:, None, None, :]
+        for i in range(len(self.qkv)):
+            q, k, v = (
+                self.qkv[i](self.n1[i](x)).view(b, s, 3, self.heads, -1).permute(2, 0, 3, 1, 4)
+            )
+            y = F.scaled_dot_product_attention(q, k, v, attn_mask=bias)
+            x = x + self.out[i](y.transpose(1, 2).reshape(b, s, -1))
+            x = x + self.mlp[i](self.n2[i](x))
+        pooled = (x * keep[..., None]).sum(1) / keep.sum(1, keepdim=True).clamp(min=1.0)
+        return {"hidden": x, "pooled": pooled}
+
+
+def masked_encoder(vocab: int = 1000, dim: int = 64, layers: int = 2, heads: int = 4) -> nn.Module:
+    torch.manual_seed(0)
+    return MaskedEncoder(vocab, dim, layers, heads)
+
+
 class TensorParallelMLP(nn.Module):
     """Rank ``rank``'s shard of a Megatron-style MLP: a column-parallel linear (this rank's
     ``hidden / world_size`` output features), then a row-parallel linear (the matching input

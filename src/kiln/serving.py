@@ -25,7 +25,7 @@ import re
 import shlex
 from collections.abc import Mapping
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any, Literal, Protocol
 
 
 # What this module reads of the spec and the manifest, which both import it: structural types,
@@ -98,6 +98,16 @@ RESERVED_NAMES = frozenset({MANIFEST_NAME, ENV_NAME, STATE_NAME})
 NAME_PATTERN = r"^[a-z0-9._-]+$"  # artifact names: safe in file names, comments and URLs
 MAX_NAME_LENGTH = 128
 ENV_KEY_PATTERN = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
+
+# --- what a served callable does with a request outside the baked grid -------------------------
+# One policy for every serving route that knows the grid (padding to buckets, kiln.padding; an
+# ahead-of-time route): ``error`` raises, ``eager`` runs the uncompiled model, ``compile`` lets
+# torch compile the new shape in the serving process (what plain torch.compile does). Each is
+# counted and logged once per shape. A spec sets it as ``compile.on_miss``; a server may pass
+# its own to ``Activation.compile``.
+OnMiss = Literal["error", "eager", "compile"]
+ON_MISS: tuple[OnMiss, ...] = ("error", "eager", "compile")
+DEFAULT_ON_MISS: OnMiss = "error"
 
 # --- environment rules -----------------------------------------------------------------------
 # Variables that change what torch compiles or how it keys it: the only ones a spec or manifest

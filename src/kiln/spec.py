@@ -14,6 +14,7 @@ import difflib
 import hashlib
 import importlib.util
 import json
+import math
 import re
 import sys
 import types
@@ -21,7 +22,18 @@ from pathlib import Path
 from typing import Annotated, Any, Literal, Union, get_args, get_origin
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, ValidationError, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    PrivateAttr,
+    StrictBool,
+    StrictFloat,
+    StrictInt,
+    ValidationError,
+    field_validator,
+    model_validator,
+)
 
 from kiln.errors import SpecError
 from kiln.serving import (
@@ -29,6 +41,7 @@ from kiln.serving import (
     MAX_NAME_LENGTH,
     MAX_WORLD_SIZE,
     NAME_PATTERN,
+    OnMiss,
     env_key_problem,
 )
 from kiln.serving import autotunes as _autotunes
@@ -63,7 +76,34 @@ RANDINT_RANGE: dict[str, tuple[int, int]] = {
 }
 
 Int64 = Annotated[int, Field(ge=INT64_MIN, le=INT64_MAX)]
+# A pad value as YAML writes it: a boolean, an integer or a float, never a string ("0").
+PadValue = StrictBool | Annotated[StrictInt, Field(ge=INT64_MIN, le=INT64_MAX)] | StrictFloat
+FLOAT16_MAX = 65504.0
 Size = Annotated[int, Field(ge=1, le=MAX_SIZE)]
+
+
+def pad_problem(pad: bool | int | float | None, dtype: str) -> str | None:
+    """Why ``pad`` cannot fill a tensor of ``dtype``, or None when it can (or is absent).
+
+    torch would convert silently: 1.5 into an int64 input becomes 1, 70000 into float16 is inf,
+    ``true`` into a float is 1.0. A pad value that changes on the way in is a spec mistake.
+    """
+    if pad is None:
+        return None
+    if dtype == "bool":
+        ok = isinstance(pad, bool)
+        return None if ok else f"a bool input pads with true or false, not {pad!r}"
+    if isinstance(pad, bool):
+        return f"a {dtype} input pads with a number, not {str(pad).lower()}"
+    if dtype in ("int64", "int32"):
+        if not isinstance(pad, int):
+            return f"an {dtype} input pads with an integer, not {pad!r}"
+        if dtype == "int32" and not -(2**31) <= pad < 2**31:
+            return f"{pad} does not fit int32"
+        return None
+    if dtype == "float16" and abs(pad) > FLOAT16_MAX:
+        return f"{pad} does not fit float16 (at most {FLOAT16_MAX:g} in magnitude)"
+    return None
 
 
 class _Strict(BaseModel):
@@ -97,6 +137,15 @@ class CompileSpec(_Strict):
             "also bake what lets a serving process skip Dynamo tracing: AOT-compiled forwards "
             "(graphs + guards) with fullgraph: true (torch >= 2.9), else Dynamo's saved frames, "
             "graph breaks included (torch >= 2.11); served by kiln.activate().compile()"
+        ),
+    )
+
+    on_miss: OnMiss | None = Field(
+        None,
+        description=(
+            "a served request outside the baked grid (larger than the largest bucket, or a "
+            "size of an axis that is not padded): error | eager | compile; None means error. "
+            "Counted and logged once per shape"
         ),
     )
 
@@ -140,6 +189,30 @@ class InputSpec(_Strict):
     fill: Literal["randn", "randint", "ones", "zeros"] = "randn"
     low: Int64 = 0
     high: Int64 | None = None
+    pad: PadValue | None = Field(
+        None,
+        description=(
+            "the value a served request is padded with up to its bucket (kiln.padding); an "
+            "input without it is never padded, and an axis is padded only when every input "
+            "that carries it declares one"
+        ),
+    )
+
+    @field_validator("pad", mode="before")
+    @classmethod
+    def _pad_is_a_number(cls, pad: Any) -> Any:
+        if pad is not None and not isinstance(pad, (bool, int, float)):
+            raise ValueError(f"a pad value is a number or true/false, not {type(pad).__name__}")
+        if isinstance(pad, float) and not math.isfinite(pad):
+            raise ValueError(f"a pad value is finite, not {pad} (the manifest records it as JSON)")
+        return pad
+
+    @model_validator(mode="after")
+    def _pad_fits_dtype(self) -> InputSpec:
+        problem = pad_problem(self.pad, self.dtype)
+        if problem:
+            raise _LocatedValueError(("pad",), problem)
+        return self
 
     @model_validator(mode="after")
     def _randint_needs_high(self) -> InputSpec:
@@ -260,6 +333,7 @@ class Spec(_Strict):
                     f"{elements} elements at the largest bucket; one input may have at most "
                     f"{MAX_INPUT_ELEMENTS}",
                 )
+        self._check_pads()
         used = {dim for inp in self.inputs for dim in inp.shape if isinstance(dim, str)}
         for axis in self.buckets:
             if axis not in used:  # it would only repeat every bucket, compiling nothing new
@@ -282,6 +356,43 @@ class Spec(_Strict):
                 raise _LocatedValueError(("env", key), problem)
         self._check_distributed()
         return self
+
+    def _check_pads(self) -> None:
+        """A declared ``pad`` must be able to pad something: an input whose every axis is also
+        carried by an input without ``pad`` would never be padded, which is a spec mistake."""
+        paddable = self.paddable_axes()
+        for i, inp in enumerate(self.inputs):
+            if inp.pad is None:
+                continue
+            axes = [d for d in inp.shape if isinstance(d, str)]
+            if not axes:
+                raise _LocatedValueError(
+                    ("inputs", i, "pad"), f"input {inp.name!r} has no bucket axis to pad"
+                )
+            if not any(a in paddable for a in axes):
+                blockers = sorted(
+                    {
+                        other.name
+                        for other in self.inputs
+                        if other.pad is None and any(a in other.shape for a in axes)
+                    }
+                )
+                raise _LocatedValueError(
+                    ("inputs", i, "pad"),
+                    f"input {inp.name!r} is never padded: {', '.join(map(repr, blockers))} "
+                    f"also carr{'ies' if len(blockers) == 1 else 'y'} its axes and declares "
+                    "no pad",
+                )
+
+    def paddable_axes(self) -> list[str]:
+        """The axes a served request may be padded on, in bucket order: those that every
+        input carrying them declares a ``pad`` for."""
+        return [
+            axis
+            for axis in self.buckets
+            if all(inp.pad is not None for inp in self.inputs if axis in inp.shape)
+            and any(axis in inp.shape for inp in self.inputs)
+        ]
 
     def _check_distributed(self) -> None:
         """A backend that cannot run on the device, or kwargs that would shadow the rank."""
@@ -322,6 +433,12 @@ class Spec(_Strict):
             del out["distributed"]
         if self.bytecode == "auto":  # likewise for the default, added later
             del out["bytecode"]
+        # Likewise for padding (added later): absent unless declared.
+        if out["compile"]["on_miss"] is None:
+            del out["compile"]["on_miss"]
+        for inp in out["inputs"]:
+            if inp["pad"] is None:
+                del inp["pad"]
         return out
 
     @property

@@ -15,7 +15,7 @@ import types
 import typer
 
 from kiln._version import __version__
-from kiln.cli import artifacts, bench, build, merge, serve, sign
+from kiln.cli import artifacts, bench, build, merge, plan, serve, sign
 from kiln.cli.options import KilnCommand, KilnGroup
 from kiln.cli.output import report_error
 from kiln.compiler.launch import ignore_numpy_warning
@@ -34,7 +34,7 @@ app = typer.Typer(
     add_completion=False,
     context_settings={"help_option_names": ["-h", "--help"]},
 )
-for module in (build, artifacts, merge, serve, bench, sign):
+for module in (build, artifacts, merge, serve, bench, plan, sign):
     module.register(app)
 for info in app.registered_commands:
     info.cls = KilnCommand  # typer's default, TyperCommand, with help that reads like the README

@@ -36,6 +36,12 @@ def bench_cmd(
     ),
     workdir: Path = typer.Option(None, "--workdir", help="Keep artifacts and caches here."),
     save: Path = typer.Option(None, "--save", help="Also write the JSON report to this file."),
+    traffic: Path = typer.Option(
+        None,
+        "--traffic",
+        help="Instead of the modes: bake, restore, and serve this traffic log's shapes through "
+        "the padding path against the unpadded eager call.",
+    ),
     json_: bool = JSON,
     quiet: bool = QUIET,
 ) -> None:
@@ -46,6 +52,16 @@ def bench_cmd(
     check_modes(chosen)  # a mode that does not exist is named before torch is looked for
     require_torch("bench")
     o = Output(json_, quiet)
+    if traffic is not None:
+        from kiln.cli.replay_view import replay_view
+        from kiln.compiler.replay import bench_traffic
+
+        with o.progress() as sink:
+            replayed = bench_traffic(spec, traffic, workdir=workdir, on_event=sink)
+        if save is not None:
+            save_json(save, replayed.to_dict())
+        o.emit(replayed.to_dict(), lambda c: replay_view(c, replayed))
+        return
     with o.progress() as sink:
         report = bench(
             spec,

@@ -70,3 +70,11 @@ class _Argument(TyperArgument):
 class _Flag(TyperOption):
     def display_type_rich(self, ctx: click.Context) -> str | None:
         return None
+
+
+class OnMissChoice(str, Enum):
+    """``--on-miss``: kiln.serving.ON_MISS as a choice (tests hold the two lists together)."""
+
+    ERROR = "error"
+    EAGER = "eager"
+    COMPILE = "compile"

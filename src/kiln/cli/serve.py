@@ -8,9 +8,15 @@ from pathlib import Path
 import typer
 from rich.console import Console
 
-from kiln.cli.options import DEVICE_INDEX, JSON, ORDER, QUIET
+from kiln.cli.options import DEVICE_INDEX, JSON, ORDER, QUIET, OnMissChoice
 from kiln.cli.output import Output, esc
-from kiln.cli.render import bucket_table, factor_table, ms, print_table, verify_failure
+from kiln.cli.render import (
+    bucket_table,
+    factor_table,
+    ms,
+    print_table,
+    verify_failure,
+)
 from kiln.errors import KilnError, VerificationError
 from kiln.grid import Order
 from kiln.installs import require_torch
@@ -71,6 +77,15 @@ def verify_cmd(
         help="Serve as plain torch.compile after `. kiln.env` (plain), through "
         "kiln.activate() (activate), or both, each in its own fresh process.",
     ),
+    traffic: Path = typer.Option(
+        None,
+        "--traffic",
+        help="Instead of the grid, serve this traffic log's shapes through the padding path "
+        "(JSON lines or CSV); exit 6 if an in-grid request compiled.",
+    ),
+    on_miss: OnMissChoice = typer.Option(
+        None, "--on-miss", help="With --traffic: off-grid requests [default: the spec's]."
+    ),
     json_: bool = JSON,
     quiet: bool = QUIET,
 ) -> None:
@@ -80,6 +95,24 @@ def verify_cmd(
     from kiln.compiler.verify import ROUTES, verify
 
     o = Output(json_, quiet)
+    if traffic is not None:
+        from kiln.cli.replay_view import replay_view
+        from kiln.compiler.replay import replay
+
+        with o.progress() as sink:
+            replayed = replay(
+                spec,
+                cache,
+                traffic,
+                on_miss=on_miss.value if on_miss else None,
+                seed=seed,
+                device_index=device_index or 0,
+                on_event=sink,
+            )
+        o.emit(replayed.to_dict(), lambda c: replay_view(c, replayed))
+        if not replayed.ok:
+            raise _reported(VerificationError("; ".join(replayed.reasons())))
+        return
     with o.progress() as sink:
         report = verify(
             spec,

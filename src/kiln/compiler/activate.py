@@ -20,6 +20,7 @@ import logging
 import os
 import sys
 import warnings
+from collections.abc import Collection
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
@@ -32,6 +33,7 @@ from kiln.errors import UsageError
 from kiln.serving import (
     BYTECODE_DIR,
     PRECOMPILED_NAME,
+    OnMiss,
     cache_env,
     rank_dir,
     served_torch_kwargs,
@@ -65,13 +67,25 @@ class Activation:
     warnings: list[str] = field(default_factory=list)
     layout: Path | None = None  # this rank's folder (ranks/R) of a K-rank artifact, else cache_dir
 
-    def compile(self, model: Any) -> Any:
+    def compile(
+        self, model: Any, *, on_miss: OnMiss | None = None, keep: Collection[str] = ()
+    ) -> Any:
         """``model`` compiled as baked: ``torch.compile`` with the spec's exact arguments, or the
         precompiled forwards when the artifact has them (falling back to ``torch.compile``, with
         a warning, if this torch refuses them), or with Dynamo's saved frames loaded for a model
         with graph breaks. Pass the model already on its device and dtype, and call it under
         ``torch.inference_mode()``, as kiln bakes: precompiled guards expect that grad mode.
+
+        When the spec declares ``pad`` values, each request is padded up to its baked bucket
+        and the outputs sliced back (:mod:`kiln.compiler.padded`); ``on_miss`` (default: the
+        spec's ``compile.on_miss``, else ``error``) decides a request no bucket holds, and
+        ``keep`` names outputs to return unsliced.
         """
+        from kiln.compiler.padded import serve
+
+        return serve(self._compiled(model), model, self.manifest, on_miss=on_miss, keep=keep)
+
+    def _compiled(self, model: Any) -> Any:
         import torch
 
         kwargs = served_torch_kwargs(self.manifest)

@@ -1,0 +1,386 @@
+"""Serving a grid by padding: each request padded up to its bucket, the outputs sliced back.
+
+``kiln.activate(DIR).compile(model)`` wraps the compiled model in :class:`PaddedModel` when the
+artifact's spec declares ``pad`` values. A call then:
+
+1. reads each axis's size from the inputs' shapes (:meth:`kiln.padding.PadGrid.axis_sizes`);
+2. picks the smallest baked bucket that holds them (:meth:`kiln.padding.PadGrid.fit`);
+3. pads every input on the axes that grew, with the input's ``pad`` value, at the end of each
+   dimension (right padding: the request's data keeps its positions);
+4. calls the compiled model, which runs a graph the bake compiled;
+5. slices every output back on each dimension that carried a padded size.
+
+Which output dimensions carry an axis is found once per bucket and axis, not guessed from
+sizes (a hidden size of 256 is not a padded sequence of 256): the eager model runs under
+torch's fake tensor mode (shapes only, no data, no kernels) with that axis at the request's
+size, and a dimension whose size moves one for one with the axis is sliced to the request's
+size. A dimension that moves otherwise (``2 * seq``, a strided convolution, ``batch * seq``
+flattened) cannot be unpadded by slicing: it is returned as the bucket gave it, and a warning
+names it once. Outputs may be tensors, tuples, lists, dicts, named tuples and dataclasses
+(Hugging Face ``ModelOutput`` included), nested; anything else is returned as it is. ``keep``
+opts outputs out by path (``"logits"``, ``"0"``, ``"hidden.1"``).
+
+A request no bucket holds follows ``on_miss`` (:data:`kiln.serving.OnMiss`): ``error`` raises
+:class:`~kiln.padding.OffGridError`, ``eager`` runs the uncompiled model, ``compile`` calls the
+compiled model unpadded, so torch compiles the shape here. Each is counted per shape
+(:attr:`PaddedModel.stats`) and logged once per shape.
+
+Padding is only correct for models whose real outputs do not depend on the padded positions:
+rows that are independent (per-token layers, a batch of independent requests), or a mask input
+(padded with 0) that the model uses to ignore them. docs/padding.md says which models qualify.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import inspect
+import logging
+import time
+from collections import Counter
+from collections.abc import Callable, Collection, Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+from kiln.artifact.manifest import Manifest
+from kiln.errors import IntegrityError
+from kiln.padding import OffGridError, PadGrid, ShapeError, shape_key, work
+from kiln.serving import DEFAULT_ON_MISS, ON_MISS, OnMiss
+
+log = logging.getLogger("kiln")
+
+Path = tuple[str, ...]  # an output's place: ("logits",), ("0",), ("hidden", "1")
+
+
+@dataclass
+class PaddingStats:
+    """What the padding path did so far, for a server's metrics and kiln's replay."""
+
+    calls: int = 0
+    exact: int = 0  # requests that were a bucket already
+    padded: int = 0  # requests padded up to a bucket
+    off_grid: Counter[str] = field(default_factory=Counter)  # request shape -> calls
+    real_work: float = 0.0  # sum of the requests' sizes (products of axis sizes), in-grid
+    padded_work: float = 0.0  # sum of their buckets' sizes
+    probes: int = 0  # fake-tensor runs that found which output dims carry an axis
+    last_bucket: dict[str, int] | None = None  # the bucket of the last call (None: off grid)
+    last_overhead_s: float = 0.0  # host time the last call spent padding and slicing
+
+    @property
+    def waste(self) -> float:
+        """The share of in-grid work spent on padding."""
+        return 1.0 - self.real_work / self.padded_work if self.padded_work else 0.0
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "calls": self.calls,
+            "exact": self.exact,
+            "padded": self.padded,
+            "off_grid": sum(self.off_grid.values()),
+            "off_grid_shapes": dict(self.off_grid),
+            "waste": round(self.waste, 4),
+            "probes": self.probes,
+        }
+
+
+class PaddedModel:
+    """``compiled``, served only at the baked buckets of ``grid``; see the module docstring.
+
+    Attributes other than its own come from ``compiled`` (a precompiled forward's ``misses``).
+    """
+
+    def __init__(
+        self,
+        compiled: Callable[..., Any],
+        model: Any,
+        grid: PadGrid,
+        *,
+        on_miss: OnMiss = DEFAULT_ON_MISS,
+        keep: Collection[str] = (),
+    ) -> None:
+        if on_miss not in ON_MISS:
+            raise ValueError(f"on_miss={on_miss!r}: one of {', '.join(ON_MISS)}")
+        self.compiled, self.model, self.grid, self.on_miss = compiled, model, grid, on_miss
+        self.keep = frozenset(tuple(k.split(".")) for k in keep)
+        self.stats = PaddingStats()
+        self._names = [i.name for i in grid.inputs]
+        self._signature = _signature(model)
+        self._carriers: dict[tuple[tuple[int, ...], str], _Carriers] = {}
+        self._warned: set[str] = set()
+
+    def __getattr__(self, name: str) -> Any:
+        # Only reached for names this object lacks: the wrapped callable's (``misses``).
+        if name.startswith("_") or name in {"compiled", "model", "grid"}:
+            raise AttributeError(name)
+        return getattr(self.compiled, name)
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        t0 = time.perf_counter()
+        self.stats.calls += 1
+        if args:
+            kwargs = self._bind(args, kwargs)
+        tensors = {n: kwargs[n] for n in self._names if n in kwargs}
+        shapes = {n: tuple(t.shape) for n, t in tensors.items() if hasattr(t, "shape")}
+        request = self.grid.axis_sizes(shapes)
+        bucket = self.grid.lookup(request)
+        self.stats.last_bucket = bucket
+        if bucket is None:
+            return self._off_grid(request, kwargs)
+        self.stats.real_work += work(request)
+        self.stats.padded_work += work(bucket)
+        if bucket == request:
+            self.stats.exact += 1
+            self.stats.last_overhead_s = time.perf_counter() - t0
+            return self.compiled(**kwargs)
+        self.stats.padded += 1
+        grown = [a for a in self.grid.axes if bucket[a] != request[a]]
+        padded = dict(kwargs)
+        for inp in self.grid.inputs:
+            if inp.name in tensors and any(a in grown for _, a in inp.axes()):
+                padded[inp.name] = _pad(tensors[inp.name], self.grid.shape_of(inp, bucket), inp.pad)
+        overhead = time.perf_counter() - t0
+        out = self.compiled(**padded)
+        t1 = time.perf_counter()
+        result = self._unpad(out, request, bucket, grown, kwargs)
+        self.stats.last_overhead_s = overhead + time.perf_counter() - t1
+        return result
+
+    # --- off the grid ----------------------------------------------------------------------
+    def _off_grid(self, request: dict[str, int], kwargs: dict[str, Any]) -> Any:
+        key = shape_key(request)
+        first = key not in self.stats.off_grid
+        self.stats.off_grid[key] += 1
+        why = self.grid.why_off_grid([request[a] for a in self.grid.axes])
+        if self.on_miss == "error":
+            raise OffGridError(f"{why} (on_miss: error)")
+        if first:
+            served = "eager" if self.on_miss == "eager" else "compiling it in this process"
+            log.warning("kiln: %s: served %s (on_miss: %s)", why, served, self.on_miss)
+        self.stats.last_overhead_s = 0.0
+        if self.on_miss == "eager":
+            return self.model(**kwargs)
+        return self.compiled(**kwargs)
+
+    # --- inputs ----------------------------------------------------------------------------
+    def _bind(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> dict[str, Any]:
+        """Positional arguments by the forward's own parameter names (kiln calls by keyword)."""
+        if self._signature is None:
+            raise ShapeError("pass the inputs by keyword: the model's signature is unknown")
+        try:
+            bound = self._signature.bind(*args, **kwargs)
+        except TypeError as exc:
+            raise ShapeError(f"the call does not match forward(): {exc}") from None
+        if any(
+            self._signature.parameters[n].kind is inspect.Parameter.VAR_POSITIONAL
+            for n in bound.arguments
+        ):
+            raise ShapeError("pass the inputs by keyword: forward() takes *args")
+        out = dict(bound.arguments)
+        for name, param in self._signature.parameters.items():
+            if param.kind is inspect.Parameter.VAR_KEYWORD and name in out:
+                out.update(out.pop(name))
+        return out
+
+    # --- outputs ---------------------------------------------------------------------------
+    def _unpad(
+        self,
+        out: Any,
+        request: dict[str, int],
+        bucket: dict[str, int],
+        grown: list[str],
+        kwargs: dict[str, Any],
+    ) -> Any:
+        """``out`` with every dimension that carried a grown axis sliced to the request's size."""
+        leaves = list(_leaves(out))
+        point = tuple(bucket[a] for a in self.grid.axes)
+        carriers = []
+        for axis in grown:
+            key = (point, axis)
+            if key not in self._carriers:
+                shapes = {p: tuple(t.shape) for p, t in leaves}
+                self._carriers[key] = self._probe(axis, request[axis], bucket, kwargs, shapes)
+            carriers.append(self._carriers[key])
+        targets: dict[Path, list[int | None]] = {}
+        for path, tensor in leaves:
+            if any(path[: len(k)] == k for k in self.keep):
+                continue
+            sizes: list[int | None] = [None] * tensor.dim()
+            shape = tuple(tensor.shape)
+            for axis, found in zip(grown, carriers, strict=True):
+                for d in found.of(path, shape, bucket[axis]):
+                    if d < len(shape) and shape[d] == bucket[axis]:
+                        sizes[d] = request[axis]
+                if path in found.unsliceable:
+                    self._warn_once(
+                        f"{_shown(path)}:{axis}",
+                        f"output {_shown(path)} changes with {axis} other than one for one: "
+                        "returned padded (pass keep= to silence this)",
+                    )
+            targets[path] = sizes
+        return _rebuild(out, (), targets)
+
+    def _probe(
+        self,
+        axis: str,
+        size: int,
+        bucket: dict[str, int],
+        kwargs: dict[str, Any],
+        at_bucket: dict[Path, tuple[int, ...]],
+    ) -> _Carriers:
+        """Which output dimensions carry ``axis`` at ``bucket`` (whose outputs have the shapes
+        ``at_bucket``): the eager model run once on fake tensors with ``axis`` at ``size``."""
+        import torch
+        from torch._subclasses.fake_tensor import FakeTensorMode
+
+        self.stats.probes += 1
+        moved = {**bucket, axis: size}
+        try:
+            with FakeTensorMode(allow_non_fake_inputs=True):
+                fake = dict(kwargs)
+                for inp in self.grid.inputs:
+                    real = kwargs.get(inp.name)
+                    if isinstance(real, torch.Tensor):
+                        shape = self.grid.shape_of(inp, moved)
+                        fake[inp.name] = torch.empty(shape, dtype=real.dtype, device=real.device)
+                out = self.model(**fake)
+                shapes = {p: tuple(t.shape) for p, t in _leaves(out)}
+        except Exception as exc:  # the model does something fake tensors cannot (data access)
+            self._warn_once(
+                f"probe:{axis}",
+                f"could not trace output shapes on fake tensors ({type(exc).__name__}: "
+                f"{_first_line(exc)}): slicing dimensions whose size is the padded {axis}",
+            )
+            return _Carriers(by_size=True)
+        return _Carriers.compare(at_bucket, shapes, bucket[axis], size)
+
+    def _warn_once(self, key: str, message: str) -> None:
+        if key not in self._warned:
+            self._warned.add(key)
+            log.warning("kiln: %s", message)
+
+
+@dataclass(frozen=True)
+class _Carriers:
+    """The output dimensions that carry one axis: per output path, the dims that move one for
+    one with it (sliced), and the paths that move otherwise (left padded). ``by_size``: no
+    probe ran, so a dimension whose size is the axis's padded size counts."""
+
+    dims: dict[Path, tuple[int, ...]] = field(default_factory=dict)
+    unsliceable: frozenset[Path] = frozenset()
+    by_size: bool = False
+
+    @classmethod
+    def compare(
+        cls,
+        at_bucket: dict[Path, tuple[int, ...]],
+        moved: dict[Path, tuple[int, ...]],
+        bucket_size: int,
+        size: int,
+    ) -> _Carriers:
+        dims: dict[Path, tuple[int, ...]] = {}
+        bad: set[Path] = set()
+        for path, shape in at_bucket.items():
+            other = moved.get(path)
+            if other is None or len(other) != len(shape):
+                bad.add(path)
+                continue
+            changed = [d for d, (a, b) in enumerate(zip(shape, other, strict=True)) if a != b]
+            ok = [d for d in changed if shape[d] == bucket_size and other[d] == size]
+            dims[path] = tuple(ok)
+            if len(ok) != len(changed):
+                bad.add(path)
+        return cls(dims, frozenset(bad))
+
+    def of(self, path: Path, shape: tuple[int, ...], bucket_size: int) -> tuple[int, ...]:
+        """The dims of the output at ``path`` to slice."""
+        if self.by_size:
+            return tuple(d for d, n in enumerate(shape) if n == bucket_size)
+        return self.dims.get(path, ())
+
+
+def _pad(tensor: Any, shape: tuple[int, ...], value: Any) -> Any:
+    """``tensor`` at the end of a new ``shape`` tensor filled with ``value``."""
+    out = tensor.new_full(shape, value)
+    out[tuple(slice(0, n) for n in tensor.shape)] = tensor
+    return out
+
+
+def _leaves(obj: Any, path: Path = ()) -> Iterator[tuple[Path, Any]]:
+    """Every tensor in an output, with its path."""
+    import torch
+
+    if isinstance(obj, torch.Tensor):
+        yield path, obj
+    elif isinstance(obj, dict):
+        for k, v in obj.items():
+            yield from _leaves(v, (*path, str(k)))
+    elif isinstance(obj, (tuple, list)):
+        for i, v in enumerate(obj):
+            yield from _leaves(v, (*path, str(i)))
+    elif dataclasses.is_dataclass(obj) and not isinstance(obj, type):
+        for f in dataclasses.fields(obj):
+            yield from _leaves(getattr(obj, f.name), (*path, f.name))
+
+
+def _rebuild(obj: Any, path: Path, targets: dict[Path, list[int | None]]) -> Any:
+    """``obj`` with each tensor at a path in ``targets`` sliced to its sizes (None: as is)."""
+    import torch
+
+    if isinstance(obj, torch.Tensor):
+        sizes = targets.get(path)
+        if not sizes or all(s is None for s in sizes):
+            return obj
+        return obj[tuple(slice(0, s) for s in sizes)]
+    if isinstance(obj, dict) and not dataclasses.is_dataclass(obj):
+        items = {k: _rebuild(v, (*path, str(k)), targets) for k, v in obj.items()}
+        try:
+            return type(obj)(items)
+        except TypeError:
+            return items
+    if isinstance(obj, tuple) and hasattr(obj, "_fields"):  # a named tuple
+        return type(obj)(*(_rebuild(v, (*path, str(i)), targets) for i, v in enumerate(obj)))
+    if isinstance(obj, (tuple, list)):
+        return type(obj)(_rebuild(v, (*path, str(i)), targets) for i, v in enumerate(obj))
+    if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
+        changes = {
+            f.name: _rebuild(getattr(obj, f.name), (*path, f.name), targets)
+            for f in dataclasses.fields(obj)
+            if f.init
+        }
+        return dataclasses.replace(obj, **changes)
+    return obj
+
+
+def _signature(model: Any) -> inspect.Signature | None:
+    target = getattr(model, "forward", model)
+    try:
+        return inspect.signature(target)
+    except (TypeError, ValueError):
+        return None
+
+
+def _shown(path: Path) -> str:
+    return ".".join(path) or "<output>"
+
+
+def _first_line(exc: BaseException) -> str:
+    text = str(exc).strip()
+    return text.splitlines()[0][:200] if text else type(exc).__name__
+
+
+def serve(
+    compiled: Callable[..., Any],
+    model: Any,
+    manifest: Manifest,
+    *,
+    on_miss: OnMiss | None = None,
+    keep: Collection[str] = (),
+) -> Callable[..., Any]:
+    """``compiled`` wrapped in :class:`PaddedModel` when ``manifest``'s spec pads an axis,
+    else as it is. ``on_miss`` defaults to the spec's ``compile.on_miss``, else ``error``."""
+    grid = PadGrid.from_manifest(manifest)
+    if not grid.pads:
+        return compiled
+    policy = on_miss or (manifest.spec.get("compile") or {}).get("on_miss") or DEFAULT_ON_MISS
+    if policy not in ON_MISS:
+        raise IntegrityError(f"{manifest.name}: on_miss {policy!r} is not one of {ON_MISS}")
+    return PaddedModel(compiled, model, grid, on_miss=policy, keep=keep)

@@ -1,0 +1,460 @@
+"""Replay: serve a traffic log's shapes through the padding path, in a fresh process.
+
+``kiln verify SPEC --cache DIR --traffic LOG`` proves what a server on the restored folder will
+do with the sizes its users send. As verify does, it serves a private copy of DIR with an empty
+``HOME`` and ``TMPDIR`` (DIR stays as found, and every file the process writes in any of the
+three is compile work): a new interpreter calls ``kiln.activate(DIR).compile(model)`` exactly
+as a server would, then sends every logged request (random data at the logged sizes, in log
+order, each line ``count`` times), and measures per request what compiled or was written, the
+latency, the host time the padding path added, and (with ``eager``) the unpadded eager call and
+how far its output is from the served one. Every in-grid request must compile nothing (exit 6
+otherwise); requests off the grid follow ``on_miss`` and are reported, not failed.
+``kiln bench SPEC --traffic LOG`` bakes, restores and replays with the eager comparison.
+"""
+
+from __future__ import annotations
+
+import math
+import shutil
+import sys
+import tempfile
+import time
+import traceback
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+from kiln.artifact.archive import read_manifest
+from kiln.compiler.counters import CompileCounters
+from kiln.compiler.launch import WorkerError, _error, _spawn, _tail, heartbeat_interval
+from kiln.compiler.protocol import WorkerFailure
+from kiln.compiler.verify import check_world_size
+from kiln.compiler.writes import Watch
+from kiln.errors import IncompatibleError, NotFoundError, UsageError
+from kiln.events import EventSink
+from kiln.padding import OffGridError, shape_key
+from kiln.serving import INDUCTOR_DIR, ON_MISS, OnMiss, cache_env, worker_env
+from kiln.spec import Spec, load_spec
+from kiln.traffic import read_traffic
+
+MAX_REPLAY = 100_000  # requests one replay serves (counts expanded)
+
+
+class _Message(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class ReplayRequest(_Message):
+    spec_path: str
+    cache: str = Field(description="the private copy of the restored folder this process serves")
+    watch: dict[str, str] = Field(
+        default_factory=dict,
+        description="label -> folder it must not write to (kiln.compiler.writes)",
+    )
+    requests: list[list[int]] = Field(description="axis sizes per request, in spec axis order")
+    on_miss: OnMiss | None = None
+    eager: bool = False
+    seed: int = Field(0, ge=0, le=2**40)
+    device_index: int = Field(0, ge=0)
+
+
+class RequestRecord(_Message):
+    """One served request."""
+
+    key: str
+    bucket: str | None = Field(description="the bucket it was served at; None: off the grid")
+    compiles: int = Field(ge=0)
+    latency_s: float | None = Field(description="the served call (None: refused, on_miss error)")
+    overhead_s: float = Field(0.0, description="host time the padding path added")
+    eager_s: float | None = None
+    max_abs_diff: float | None = Field(None, description="served vs unpadded eager, real slice")
+
+
+class ReplayResult(_Message):
+    records: list[RequestRecord]
+    startup_s: float = Field(description="process start to the model served (activate, build)")
+    new_files: list[str] = Field(
+        default_factory=list,
+        description="files written at start-up or by in-grid requests where a served process "
+        "must not write (the folder, HOME, TMPDIR): each is compile work",
+    )
+    padding: dict[str, Any] = Field(default_factory=dict)
+
+
+class ReplayOutcome(_Message):
+    result: ReplayResult | None = None
+    failure: WorkerFailure | None = None
+
+    @model_validator(mode="after")
+    def _one_of(self) -> ReplayOutcome:
+        if (self.result is None) == (self.failure is None):
+            raise ValueError("an outcome holds a result or a failure")
+        return self
+
+
+# --- the report ------------------------------------------------------------------------------
+def _quantile(values: Sequence[float], q: float) -> float | None:
+    """Nearest-rank quantile (q=0.5: the median; 0.99: p99); None for no values."""
+    if not values:
+        return None
+    ordered = sorted(values)
+    return ordered[max(0, math.ceil(q * len(ordered)) - 1)]
+
+
+@dataclass
+class ReplayReport:
+    name: str
+    traffic: str
+    on_miss: str
+    result: ReplayResult
+    wall_s: float
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def in_grid(self) -> list[RequestRecord]:
+        return [r for r in self.result.records if r.bucket is not None]
+
+    @property
+    def off_grid(self) -> list[RequestRecord]:
+        return [r for r in self.result.records if r.bucket is None]
+
+    @property
+    def failing(self) -> list[RequestRecord]:
+        return [r for r in self.in_grid if r.compiles]
+
+    @property
+    def ok(self) -> bool:
+        return not self.failing and not self.result.new_files
+
+    def summary(self) -> dict[str, Any]:
+        grid = self.in_grid
+        overhead = [r.overhead_s for r in grid]
+        latency = [r.latency_s for r in grid if r.latency_s is not None]
+        eager = [r.eager_s for r in grid if r.eager_s is not None]
+        ratio = [r.latency_s / r.eager_s for r in grid if r.latency_s is not None and r.eager_s]
+        diffs = [r.max_abs_diff for r in grid if r.max_abs_diff is not None]
+
+        def q(values: list[float]) -> dict[str, float | None]:
+            return {"median": _quantile(values, 0.5), "p99": _quantile(values, 0.99)}
+
+        return {
+            "requests": len(self.result.records),
+            "in_grid": len(grid),
+            "off_grid": len(self.off_grid),
+            "compiles_in_grid": sum(r.compiles for r in grid),
+            "compiles_off_grid": sum(r.compiles for r in self.off_grid),
+            "new_files": len(self.result.new_files),
+            "waste": self.result.padding.get("waste"),
+            "overhead_s": q(overhead),
+            "latency_s": q(latency),
+            "eager_s": q(eager),
+            "latency_over_eager": q(ratio),
+            "max_abs_diff": max(diffs) if diffs else None,
+        }
+
+    def reasons(self) -> list[str]:
+        out = [f"{r.key} (bucket {r.bucket}): {r.compiles} compile(s)" for r in self.failing[:10]]
+        if self.result.new_files:
+            shown = ", ".join(self.result.new_files[:3])
+            out.append(f"{len(self.result.new_files)} file(s) written while serving: {shown}")
+        return out
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "name": self.name,
+            "ok": self.ok,
+            "traffic": self.traffic,
+            "on_miss": self.on_miss,
+            "wall_s": round(self.wall_s, 3),
+            "startup_s": round(self.result.startup_s, 3),
+            "summary": self.summary(),
+            "failing": self.reasons(),
+            "padding": self.result.padding,
+            "requests": [r.model_dump(mode="json") for r in self.result.records],
+            **self.extra,
+        }
+
+
+# --- the parent side ----------------------------------------------------------------------
+def replay(
+    spec: Spec | str | Path,
+    cache: str | Path,
+    traffic: str | Path,
+    *,
+    on_miss: OnMiss | None = None,
+    eager: bool = False,
+    seed: int = 0,
+    device_index: int = 0,
+    on_event: EventSink | None = None,
+) -> ReplayReport:
+    """Serve ``traffic``'s requests from the restored folder ``cache`` in a fresh process."""
+    spec = spec if isinstance(spec, Spec) else load_spec(spec)
+    cache = Path(cache).absolute()
+    if not (cache / INDUCTOR_DIR).is_dir():
+        raise NotFoundError(f"{cache}: no {INDUCTOR_DIR}/ folder (restore an artifact there first)")
+    if on_miss is not None and on_miss not in ON_MISS:
+        raise UsageError(f"--on-miss {on_miss}: one of {', '.join(ON_MISS)}")
+    manifest = read_manifest(cache)
+    check_world_size(spec, manifest)
+    if spec.distributed:
+        raise UsageError(f"{spec.name}: --traffic replays one process; multi-rank specs not yet")
+    log = read_traffic(traffic, tuple(spec.buckets))
+    if log.requests > MAX_REPLAY:
+        raise UsageError(
+            f"{traffic}: {log.requests} requests; a replay serves at most {MAX_REPLAY} "
+            "(lower the counts)"
+        )
+    requests = [list(sizes) for sizes, count in log.lines for _ in range(count)]
+    request = ReplayRequest(
+        spec_path=str(spec.path),
+        cache=str(cache),
+        requests=requests,
+        on_miss=on_miss,
+        eager=eager,
+        seed=seed,
+        device_index=device_index,
+    )
+    policy = on_miss or manifest.spec.get("compile", {}).get("on_miss") or "error"
+    t0 = time.time()
+    # As verify serves (kiln.compiler.verify.serve_copy): a private copy of the folder, an
+    # empty HOME and TMPDIR, all watched, so the restored folder stays as found.
+    with tempfile.TemporaryDirectory(prefix="kiln-replay-") as tmp:
+        served, home, temp = Path(tmp, "dest"), Path(tmp, "home"), Path(tmp, "tmp")
+        shutil.copytree(cache, served, symlinks=True)
+        home.mkdir()
+        temp.mkdir()
+        watch = {"DIR": str(served), "HOME": str(home), "TMPDIR": str(temp)}
+        env = cache_env(served, manifest.env) | {"HOME": str(home), "TMPDIR": str(temp)}
+        request = request.model_copy(update={"cache": str(served), "watch": watch})
+        result = _run(spec, request, env, on_event)
+    return ReplayReport(manifest.name, str(traffic), policy, result, time.time() - t0)
+
+
+def _run(
+    spec: Spec, request: ReplayRequest, env: dict[str, str], on_event: EventSink | None
+) -> ReplayResult:
+    with tempfile.TemporaryDirectory(prefix="kiln-replay-") as tmp:
+        folder = Path(tmp)
+        (folder / "request.json").write_text(request.model_dump_json())
+        command = [
+            sys.executable,
+            "-m",
+            "kiln.compiler.replay",
+            str(folder / "request.json"),
+            str(folder / "outcome.json"),
+        ]
+        _, code = _spawn(folder, command, worker_env(env), on_event, heartbeat_interval(), None)
+        log = (folder / "stderr.log").read_text(errors="replace")
+        path = folder / "outcome.json"
+        if not path.exists():
+            raise WorkerError(f"replay process died with exit code {code}:\n{_tail(log)}")
+        outcome = ReplayOutcome.model_validate_json(path.read_bytes())
+    if outcome.failure is not None:
+        raise _error(spec, outcome.failure, log)
+    assert outcome.result is not None
+    return outcome.result
+
+
+def bench_traffic(
+    spec: Spec | str | Path,
+    traffic: str | Path,
+    *,
+    workdir: str | Path | None = None,
+    on_miss: OnMiss | None = None,
+    on_event: EventSink | None = None,
+) -> ReplayReport:
+    """Bake ``spec``, restore it at a new path, and replay ``traffic`` against the unpadded
+    eager call (``kiln bench --traffic``)."""
+    from kiln.artifact.restore import restore
+    from kiln.compiler.bake import bake
+
+    spec = spec if isinstance(spec, Spec) else load_spec(spec)
+    read_traffic(traffic, tuple(spec.buckets))  # a bad log is exit 2 before a bake
+    work = Path(workdir) if workdir else Path(tempfile.mkdtemp(prefix=f"kiln-bench-{spec.name}-"))
+    work.mkdir(parents=True, exist_ok=True)
+    try:
+        baked = bake(spec, work / "bench.kiln.tar.zst", on_event=on_event)
+        if baked is None:
+            raise UsageError(f"{spec.name}: run kiln bench once, outside torchrun")
+        restore(baked.artifact, work / "restored")
+        report = replay(
+            spec, work / "restored", traffic, on_miss=on_miss, eager=True, on_event=on_event
+        )
+        report.extra["bake_wall_s"] = round(baked.wall_s, 3)
+        return report
+    finally:
+        if workdir is None:
+            shutil.rmtree(work, ignore_errors=True)
+
+
+# --- the replay process -------------------------------------------------------------------
+def run(request: ReplayRequest) -> ReplayResult:
+    """Serve every request as a server on the restored folder would (see the module docstring)."""
+    started = time.time()
+    watch = _watch(request)
+    at_start = watch.snapshot()  # before torch: its import may write too
+    import kiln
+
+    activation = kiln.activate(request.cache, compat="warn", device_index=request.device_index)
+    import torch
+
+    from kiln.compiler.dynamo_log import DynamoLog
+    from kiln.compiler.padded import PaddedModel
+    from kiln.compiler.worker import _build_model, _setup_device, _synchronizer
+    from kiln.padding import PadGrid
+
+    spec = load_spec(request.spec_path)
+    device = _setup_device(spec, request.device_index)
+    model = _build_model(spec, device)
+    served = activation.compile(model, on_miss=request.on_miss)
+    replayer = _Replayer(
+        spec=spec,
+        device=device,
+        sync=_synchronizer(device),
+        model=model,
+        served=served,
+        grid=PadGrid.from_manifest(activation.manifest),
+        dynamo=DynamoLog().install(),
+        frames=activation.manifest.precompiled_frames is not None,
+        watch=watch,
+        eager=request.eager,
+    )
+    replayer.sync()
+    startup = time.time() - started
+    at_start_written = watch.written(at_start, watch.snapshot())
+    with torch.inference_mode():
+        records = [
+            replayer.serve(sizes, request.seed + i) for i, sizes in enumerate(request.requests)
+        ]
+    new = sorted({*at_start_written, *replayer.in_grid_written})
+    padding = served.stats.to_dict() if isinstance(served, PaddedModel) else {}
+    return ReplayResult(
+        records=records,
+        startup_s=startup,
+        new_files=new,
+        padding=padding,
+    )
+
+
+@dataclass
+class _Replayer:
+    """Serves one request at a time and measures it (the replay process's state)."""
+
+    spec: Spec
+    device: Any
+    sync: Any
+    model: Any
+    served: Any
+    grid: Any  # kiln.padding.PadGrid
+    dynamo: Any  # kiln.compiler.dynamo_log.DynamoLog
+    frames: bool  # saved Dynamo frames served: a traced frame is a miss
+    watch: Watch
+    eager: bool
+    in_grid_written: set[str] = field(default_factory=set)  # an off-grid request's are its own
+
+    def serve(self, sizes: list[int], seed: int) -> RequestRecord:
+        from kiln.compiler.counters import compile_counts
+        from kiln.compiler.padded import _leaves
+        from kiln.compiler.worker import make_inputs
+        from kiln.grid import Bucket
+
+        bucket = Bucket(tuple(zip(self.spec.buckets, sizes, strict=True)))
+        inputs = make_inputs(self.spec, bucket, self.device, seed)
+        call_kwargs = dict(self.spec.model.call_kwargs)
+        at = self.grid.lookup(bucket.as_dict())
+        before, mark = CompileCounters.read(), self.dynamo.mark()
+        missed = getattr(self.served, "misses", 0)
+        pre = self.watch.snapshot()
+        self.sync()
+        t0 = time.perf_counter()
+        try:
+            out = self.served(**inputs, **call_kwargs)
+            self.sync()
+            latency: float | None = time.perf_counter() - t0
+        except OffGridError:
+            out, latency = None, None
+        traced = len(self.dynamo.frames_since(mark)) if self.frames else 0
+        written = self.watch.written(pre, self.watch.snapshot())
+        if at is not None:
+            self.in_grid_written.update(written)
+        counts = compile_counts(
+            CompileCounters.read() - before,
+            written,
+            served=True,
+            precompile_misses=getattr(self.served, "misses", 0) - missed + traced,
+        )
+        stats = getattr(self.served, "stats", None)
+        eager_s = diff = None
+        if self.eager:
+            self.sync()
+            t0 = time.perf_counter()
+            ref = self.model(**inputs, **call_kwargs)
+            self.sync()
+            eager_s = time.perf_counter() - t0
+            if out is not None:
+                diff = _max_abs_diff(dict(_leaves(out)), dict(_leaves(ref)))
+        return RequestRecord(
+            key=bucket.key,
+            bucket=shape_key(at) if at is not None else None,
+            compiles=counts.compiles,
+            latency_s=latency,
+            overhead_s=stats.last_overhead_s if stats is not None else 0.0,
+            eager_s=eager_s,
+            max_abs_diff=diff,
+        )
+
+
+def _watch(request: ReplayRequest) -> Watch:
+    """The folders this process must leave as they are, with the sha256 of every file restore
+    installed in the served one (a rewrite with the same bytes is no change)."""
+    folders = {label: Path(folder) for label, folder in request.watch.items()}
+    shipped = {f"DIR/{e.path}": e.sha256 for e in read_manifest(request.cache).entries()}
+    return Watch(folders, shipped)
+
+
+def _max_abs_diff(served: dict[Any, Any], eager: dict[Any, Any]) -> float:
+    """The largest difference between served and eager outputs, leaf by leaf (inf where a
+    shape differs: the slice was not the real one)."""
+    worst = 0.0
+    for path, ref in eager.items():
+        got = served.get(path)
+        if got is None or tuple(got.shape) != tuple(ref.shape):
+            return math.inf
+        if ref.numel():
+            d = (got.float() - ref.float()).abs().max().item()
+            worst = max(worst, d if d == d else math.inf)
+    return worst
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``python -m kiln.compiler.replay REQUEST.json OUTCOME.json``; exit codes as kiln's."""
+    from kiln.compiler.launch import ignore_numpy_warning
+    from kiln.compiler.worker import _Incompatible, _SpecProblem
+
+    args = sys.argv[1:] if argv is None else argv
+    ignore_numpy_warning()
+    request = ReplayRequest.model_validate_json(Path(args[0]).read_text())
+    code = 0
+    try:
+        outcome = ReplayOutcome(result=run(request))
+    except _SpecProblem as exc:
+        outcome = ReplayOutcome(failure=WorkerFailure(kind="spec", key=exc.key, message=str(exc)))
+        code = 2
+    except (_Incompatible, IncompatibleError) as exc:
+        traceback.print_exc()
+        outcome = ReplayOutcome(failure=WorkerFailure(kind="incompatible", message=str(exc)))
+        code = 5
+    except Exception as exc:
+        traceback.print_exc()
+        message = f"{type(exc).__name__}: {exc}"
+        outcome = ReplayOutcome(failure=WorkerFailure(kind="internal", message=message))
+        code = 1
+    Path(args[1]).write_text(outcome.model_dump_json())
+    return code
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,327 @@
+"""Padding to the grid: pad values in the spec, the bucket a request fits, and the padded call's
+outputs sliced back (in-process; the restored-artifact proof is tests/test_padding_serve.py)."""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import logging
+import math
+from typing import NamedTuple
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from kiln.errors import SpecError
+from kiln.padding import OffGridError, PadGrid, ShapeError
+from kiln.serving import ON_MISS
+from kiln.spec import parse_spec
+from tests.conftest import MODELS
+
+
+def spec_text(
+    inputs: str, buckets: str = "batch: [1, 4, 16]\n  seq: [128, 256, 512]", extra: str = ""
+) -> str:
+    return (
+        "name: t\n"
+        "model:\n"
+        f"  factory: {MODELS}:tiny_mlp\n"
+        "inputs:\n"
+        f"{inputs}"
+        "buckets:\n"
+        f"  {buckets}\n"
+        f"{extra}"
+    )
+
+
+TOKENS = "  - {name: ids, shape: [batch, seq], dtype: int64, pad: 0}\n"
+MASK = "  - {name: mask, shape: [batch, seq], dtype: bool, pad: false}\n"
+
+
+def test_fit_picks_the_smallest_bucket_that_holds_the_request() -> None:
+    grid = PadGrid.from_spec(parse_spec(spec_text(TOKENS + MASK)))
+    assert grid.fit(batch=3, seq=137) == {"batch": 4, "seq": 256}
+    assert grid.fit({"batch": 4, "seq": 256}) == {"batch": 4, "seq": 256}
+    assert grid.fit(batch=1, seq=1) == {"batch": 1, "seq": 128}
+    with pytest.raises(OffGridError, match=r"seq=513 is larger than its largest bucket \(512\)"):
+        grid.fit(batch=1, seq=513)
+    with pytest.raises(ShapeError, match="missing seq"):
+        grid.fit(batch=1)
+
+
+def test_fit_honours_exclusions() -> None:
+    spec = parse_spec(spec_text(TOKENS, extra="exclude:\n  - {batch: 4, seq: 256}\n"))
+    grid = PadGrid.from_spec(spec)
+    # batch=4,seq=256 was not baked: 4x512 (2048) is smaller than 16x256 (4096)
+    assert grid.fit(batch=3, seq=137) == {"batch": 4, "seq": 512}
+
+
+def test_an_axis_without_pad_on_every_input_is_matched_exactly() -> None:
+    text = spec_text(TOKENS + "  - {name: pos, shape: [batch, 4], dtype: int64}\n")
+    grid = PadGrid.from_spec(parse_spec(text))
+    assert grid.paddable == {"seq"}
+    assert grid.fit(batch=4, seq=130) == {"batch": 4, "seq": 256}
+    with pytest.raises(OffGridError, match="batch is not padded"):
+        grid.fit(batch=3, seq=130)
+
+
+def test_axis_sizes_are_read_from_the_inputs_and_checked() -> None:
+    grid = PadGrid.from_spec(parse_spec(spec_text(TOKENS + MASK)))
+    assert grid.axis_sizes({"ids": (3, 7), "mask": (3, 7)}) == {"batch": 3, "seq": 7}
+    with pytest.raises(ShapeError, match="axis 'seq' is 7 in one input and 8 in 'mask'"):
+        grid.axis_sizes({"ids": (3, 7), "mask": (3, 8)})
+    with pytest.raises(ShapeError, match="'mask' is missing"):
+        grid.axis_sizes({"ids": (3, 7)})
+    with pytest.raises(ShapeError, match="3 dimensions"):
+        grid.axis_sizes({"ids": (3, 7, 1), "mask": (3, 7)})
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    st.lists(st.integers(1, 40), min_size=1, max_size=4, unique=True),
+    st.lists(st.integers(1, 40), min_size=1, max_size=4, unique=True),
+    st.sets(st.tuples(st.integers(0, 3), st.integers(0, 3)), max_size=4),
+    st.integers(1, 45),
+    st.integers(1, 45),
+)
+def test_fit_is_the_least_work_bucket_that_holds_the_request(
+    batches: list[int], seqs: list[int], excluded: set[tuple[int, int]], b: int, s: int
+) -> None:
+    points = [
+        p
+        for i, p in enumerate(itertools.product(batches, seqs))
+        if (i // len(seqs), i % len(seqs)) not in excluded
+    ]
+    grid = PadGrid(("batch", "seq"), tuple(points), (), frozenset({"batch", "seq"}))
+    holding = [p for p in points if p[0] >= b and p[1] >= s]
+    found = grid.lookup({"batch": b, "seq": s})
+    if not holding:
+        assert found is None
+        return
+    assert found is not None
+    assert math.prod(found.values()) == min(math.prod(p) for p in holding)
+    assert found["batch"] >= b and found["seq"] >= s
+
+
+@pytest.mark.parametrize(
+    ("inputs", "expected"),
+    [
+        (
+            "  - {name: ids, shape: [batch, seq], dtype: int64, pad: 0.5}\n",
+            "5:52: inputs.0.pad: an int64 input pads with an integer",
+        ),
+        (
+            "  - {name: ids, shape: [batch, seq], dtype: int64, pad: '0'}\n",
+            "5:52: inputs.0.pad: a pad value is a number or true/false, not str",
+        ),
+        (
+            "  - {name: ids, shape: [batch, seq], dtype: float16, pad: 70000.0}\n",
+            "does not fit float16",
+        ),
+        ("  - {name: ids, shape: [batch, seq], pad: .inf}\n", "a pad value is finite"),
+        (
+            "  - {name: ids, shape: [batch, seq], dtype: bool, pad: 0}\n",
+            "a bool input pads with true or false",
+        ),
+        ("  - {name: ids, shape: [batch, seq], pad: true}\n", "a float32 input pads with a number"),
+        (
+            "  - {name: ids, shape: [batch, seq], dtype: int32, pad: 3000000000}\n",
+            "does not fit int32",
+        ),
+        (
+            TOKENS + "  - {name: mask, shape: [batch, seq], dtype: bool}\n",
+            "5:52: inputs.0.pad: input 'ids' is never padded: 'mask' also carries its axes",
+        ),
+        (
+            TOKENS + "  - {name: w, shape: [4], pad: 0}\n",
+            "6:27: inputs.1.pad: input 'w' has no bucket axis to pad",
+        ),
+    ],
+)
+def test_pad_values_are_checked_at_load_with_their_location(inputs: str, expected: str) -> None:
+    with pytest.raises(SpecError) as err:
+        parse_spec(spec_text(inputs), file="spec.yaml")
+    assert expected in str(err.value)
+
+
+def test_on_miss_is_one_of_the_policies() -> None:
+    text = spec_text(TOKENS, extra="compile: {on_miss: retry}\n")
+    with pytest.raises(SpecError, match=r"compile\.on_miss"):
+        parse_spec(text)
+    for policy in ON_MISS:
+        spec = parse_spec(spec_text(TOKENS, extra=f"compile: {{on_miss: {policy}}}\n"))
+        assert spec.canonical()["compile"]["on_miss"] == policy
+
+
+def test_a_spec_without_padding_keeps_its_digest() -> None:
+    """pad and on_miss were added later: absent, they leave the canonical spec (and so every
+    existing artifact's spec digest) as it was."""
+    spec = parse_spec(spec_text("  - {name: ids, shape: [batch, seq], dtype: int64}\n"))
+    canonical = spec.canonical()
+    assert "on_miss" not in canonical["compile"]
+    assert all("pad" not in i for i in canonical["inputs"])
+    padded = parse_spec(spec_text(TOKENS))
+    assert padded.canonical()["inputs"][0]["pad"] == 0
+    assert padded.sha256() != spec.sha256()
+
+
+def test_the_grid_comes_from_a_manifest_without_torch(tmp_path) -> None:
+    """An engine that pads itself reads the baked buckets (only those) and pad values from a
+    restored folder's manifest in a process where torch cannot be imported."""
+    import subprocess
+    import sys
+
+    from kiln.artifact.manifest import BucketStats
+    from tests.archives import manifest_for
+    from tests.conftest import NO_TORCH
+
+    spec = parse_spec(spec_text(TOKENS + MASK, extra="exclude:\n  - {batch: 4, seq: 256}\n"))
+    grid = [
+        BucketStats(
+            key=f"batch={b},seq={s}", sizes={"batch": b, "seq": s}, first_call_s=1, steady_s=0
+        )
+        for b, s in itertools.product([1, 4, 16], [128, 256, 512])
+        if (b, s) != (4, 256)
+    ]
+    manifest = manifest_for({}, spec=spec.canonical(), grid=grid)
+    (tmp_path / "manifest.json").write_text(manifest.model_dump_json())
+    code = (
+        NO_TORCH + "from kiln.artifact.archive import read_manifest; "
+        "from kiln.padding import PadGrid; "
+        f"g = PadGrid.from_manifest(read_manifest({str(tmp_path)!r})); "
+        "print(g.fit(batch=3, seq=137), sorted(g.paddable), "
+        "PadGrid.from_manifest(read_manifest("
+        f"{str(tmp_path)!r}), paddable=['seq']).lookup({{'batch': 3, 'seq': 5}}))"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", "import sys; " + code], capture_output=True, text=True, check=True
+    )
+    assert out.stdout.strip() == "{'batch': 4, 'seq': 512} ['batch', 'seq'] None"
+
+
+def test_the_cli_offers_exactly_the_on_miss_policies() -> None:
+    from kiln.cli.options import OnMissChoice
+
+    assert tuple(c.value for c in OnMissChoice) == ON_MISS
+
+
+# --- the padded call, in process (an eager model stands in for the compiled one) ----------
+torch = pytest.importorskip("torch")
+
+
+class Halves(NamedTuple):
+    first: object
+    second: object
+
+
+@dataclasses.dataclass
+class Out:
+    hidden: object
+    pooled: object
+
+
+class Echo(torch.nn.Module):
+    """Returns its input in every structure the padding path unpads, plus a fixed-size output
+    whose size equals a padded bucket (16), which must not be sliced."""
+
+    def forward(self, ids, mask):  # type: ignore[no-untyped-def]
+        x = ids.float() * mask
+        fixed = torch.zeros(ids.shape[0], 16)
+        return {
+            "tuple": (x, x.sum(1)),
+            "named": Halves(x, fixed),
+            "data": Out(x[..., None].expand(-1, -1, 3), x.sum(1) / mask.sum(1).clamp(min=1)),
+            "doubled": torch.cat([x, x], dim=1),
+        }
+
+
+def served(on_miss: str = "error", keep=(), calls=None):  # type: ignore[no-untyped-def]
+    from kiln.compiler.padded import PaddedModel
+
+    text = spec_text(
+        "  - {name: ids, shape: [batch, seq], dtype: int64, pad: 0}\n"
+        "  - {name: mask, shape: [batch, seq], dtype: int64, pad: 0}\n",
+        buckets="batch: [2, 4]\n  seq: [8, 16]",
+    )
+    model = Echo()
+
+    def compiled(**kw):  # type: ignore[no-untyped-def]
+        if calls is not None:
+            calls.append({k: tuple(v.shape) for k, v in kw.items()})
+        return model(**kw)
+
+    grid = PadGrid.from_spec(parse_spec(text))
+    return model, PaddedModel(compiled, model, grid, on_miss=on_miss, keep=keep)  # type: ignore[arg-type]
+
+
+def close(a, b) -> bool:  # type: ignore[no-untyped-def]
+    from kiln.compiler.padded import _leaves
+
+    la, lb = dict(_leaves(a)), dict(_leaves(b))
+    return la.keys() == lb.keys() and all(
+        la[k].shape == lb[k].shape and torch.equal(la[k], lb[k]) for k in la
+    )
+
+
+def test_outputs_are_sliced_back_on_every_dimension_that_carried_a_padded_size(caplog) -> None:
+    calls: list[dict] = []
+    model, fn = served(calls=calls)
+    ids = torch.arange(1, 16).view(3, 5)
+    mask = torch.ones(3, 5, dtype=torch.int64)
+    with caplog.at_level(logging.WARNING, logger="kiln"):
+        out = fn(ids, mask=mask)  # positional arguments bind by forward()'s names
+    assert calls == [{"ids": (4, 8), "mask": (4, 8)}]
+    ref = model(ids=ids, mask=mask)
+    # doubled (2 * seq) cannot be unpadded by slicing: left as the bucket gave it, said once
+    assert out["doubled"].shape == (3, 16)
+    assert "doubled changes with seq other than one for one" in caplog.text
+    del out["doubled"], ref["doubled"]
+    assert close(out, ref)
+    assert isinstance(out["named"], Halves) and isinstance(out["data"], Out)
+    assert out["named"].second.shape == (3, 16)  # 16 is a bucket size, but not this axis
+    assert fn.stats.padded == 1 and fn.stats.probes == 2
+    fn(ids=ids, mask=mask)
+    assert fn.stats.probes == 2  # once per bucket and axis
+
+
+def test_keep_returns_an_output_unsliced() -> None:
+    _, fn = served(keep=("tuple.0", "data"))
+    out = fn(ids=torch.ones(3, 5, dtype=torch.int64), mask=torch.ones(3, 5, dtype=torch.int64))
+    assert out["tuple"][0].shape == (4, 8) and out["tuple"][1].shape == (3,)
+    assert out["data"].hidden.shape == (4, 8, 3)
+    assert out["named"].first.shape == (3, 5)
+
+
+def test_an_exact_bucket_is_passed_through() -> None:
+    calls: list[dict] = []
+    _, fn = served(calls=calls)
+    ids = torch.ones(2, 8, dtype=torch.int64)
+    fn(ids=ids, mask=ids)
+    assert calls == [{"ids": (2, 8), "mask": (2, 8)}]
+    assert fn.stats.exact == 1 and fn.stats.probes == 0
+
+
+@pytest.mark.parametrize("policy", ON_MISS)
+def test_off_grid_requests_follow_on_miss_counted_and_logged_once(policy: str, caplog) -> None:
+    calls: list[dict] = []
+    model, fn = served(on_miss=policy, calls=calls)
+    big = torch.ones(5, 3, dtype=torch.int64)
+    with caplog.at_level(logging.WARNING, logger="kiln"):
+        for _ in range(2):
+            if policy == "error":
+                with pytest.raises(OffGridError, match="batch=5 is larger than its largest bucket"):
+                    fn(ids=big, mask=big)
+            else:
+                out = fn(ids=big, mask=big)
+                assert close(out, model(ids=big, mask=big))
+    assert fn.stats.off_grid == {"batch=5,seq=3": 2}
+    assert calls == ([{"ids": (5, 3), "mask": (5, 3)}] * 2 if policy == "compile" else [])
+    logged = caplog.text.count("batch=5,seq=3 is off the grid")
+    assert logged == (0 if policy == "error" else 1)
+
+
+def test_inconsistent_inputs_are_a_shape_error() -> None:
+    _, fn = served()
+    with pytest.raises(ShapeError, match="axis 'seq'"):
+        fn(ids=torch.ones(2, 5, dtype=torch.int64), mask=torch.ones(2, 6, dtype=torch.int64))

@@ -1,0 +1,127 @@
+"""Serving by padding through real restored artifacts, in fresh processes (``kiln verify
+--traffic``): random request shapes hit the baked buckets with 0 compiles, and the real slice
+of each padded call equals the unpadded eager call, for a per-token MLP and a masked encoder."""
+
+from __future__ import annotations
+
+import json
+import random
+import shutil
+from pathlib import Path
+
+import pytest
+
+import kiln
+from kiln.compiler.replay import replay
+from tests.conftest import MODELS
+
+pytestmark = pytest.mark.slow
+
+MLP = f"""name: per-token-mlp
+model:
+  factory: {MODELS}:tiny_mlp
+  kwargs: {{dim: 16, hidden: 32}}
+  call_kwargs: {{scale: 2.0}}
+inputs:
+  - {{name: x, shape: [batch, seq, 16], pad: 0.0}}
+buckets:
+  batch: [1, 4]
+  seq: [8, 32]
+warmup: {{calls: 1}}
+"""
+
+ENCODER = f"""name: masked-encoder
+model:
+  factory: {MODELS}:masked_encoder
+  kwargs: {{vocab: 1000, dim: 32, layers: 2, heads: 4}}
+inputs:
+  - {{name: input_ids, shape: [batch, seq], dtype: int64, fill: randint, low: 1, high: 999,
+     pad: 0}}
+  - {{name: attention_mask, shape: [batch, seq], dtype: int64, fill: ones, pad: 0}}
+buckets:
+  batch: [1, 4]
+  seq: [16, 64]
+warmup: {{calls: 1}}
+"""
+
+
+def restored(tmp: Path, text: str) -> tuple[Path, Path]:
+    spec = tmp / "spec.yaml"
+    spec.write_text(text)
+    result = kiln.bake(spec, tmp / "a.kiln.tar.zst", prove=False)
+    assert result is not None
+    kiln.restore(result.artifact, tmp / "cache")
+    return spec, tmp / "cache"
+
+
+@pytest.fixture(scope="module")
+def mlp(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
+    return restored(tmp_path_factory.mktemp("mlp"), MLP)
+
+
+@pytest.fixture(scope="module")
+def encoder(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
+    return restored(tmp_path_factory.mktemp("encoder"), ENCODER)
+
+
+def traffic(path: Path, largest: tuple[int, int], n: int, off: list[tuple[int, int]] = ()) -> Path:  # type: ignore[assignment]
+    rng = random.Random(7)
+    shapes = [(rng.randint(1, largest[0]), rng.randint(1, largest[1])) for _ in range(n)]
+    lines = [json.dumps({"batch": b, "seq": s}) for b, s in [*shapes, *off]]
+    path.write_text("\n".join(lines) + "\n")
+    return path
+
+
+@pytest.mark.parametrize("model", ["mlp", "encoder"])
+def test_random_shapes_are_served_padded_with_0_compiles_and_eager_outputs(
+    model: str, request: pytest.FixtureRequest, tmp_path: Path
+) -> None:
+    spec, cache = request.getfixturevalue(model)
+    largest = (4, 32) if model == "mlp" else (4, 64)
+    log = traffic(tmp_path / "t.jsonl", largest, 30)
+    report = replay(spec, cache, log, eager=True)
+    s = report.summary()
+    assert report.ok, report.reasons()
+    assert s["in_grid"] == 30 and s["off_grid"] == 0
+    assert s["compiles_in_grid"] == 0 and s["new_files"] == 0
+    assert report.result.padding["padded"] >= 25  # most random shapes are no bucket
+    # the real slice of every padded call equals the unpadded eager call
+    assert s["max_abs_diff"] is not None and s["max_abs_diff"] < 1e-4
+    assert all(r.bucket is not None and r.overhead_s >= 0 for r in report.result.records)
+
+
+def test_off_grid_policies(mlp: tuple[Path, Path], tmp_path: Path) -> None:
+    spec, cache = mlp
+    log = traffic(tmp_path / "t.jsonl", (4, 32), 4, off=[(2, 40), (5, 3), (2, 40)])
+    refused = replay(spec, cache, log, on_miss="error")
+    assert refused.ok and refused.summary()["off_grid"] == 3
+    assert [r.latency_s for r in refused.off_grid] == [None, None, None]
+    assert refused.result.padding["off_grid_shapes"] == {"batch=2,seq=40": 2, "batch=5,seq=3": 1}
+    eager = replay(spec, cache, log, on_miss="eager", eager=True)
+    assert eager.ok and eager.summary()["compiles_off_grid"] == 0
+    assert all(r.max_abs_diff == 0 for r in eager.off_grid)  # the eager model itself
+    compiled = replay(spec, cache, log, on_miss="compile")
+    s = compiled.summary()
+    assert compiled.ok and s["compiles_in_grid"] == 0
+    assert s["compiles_off_grid"] >= 2  # each new shape compiled here, once
+
+
+def test_verify_traffic_cli_passes_and_fails_on_an_in_grid_compile(
+    mlp: tuple[Path, Path], cli, tmp_path: Path
+) -> None:
+    spec, cache = mlp
+    log = traffic(tmp_path / "t.jsonl", (4, 32), 6)
+    ok = cli("verify", spec, "--cache", cache, "--traffic", log, "--json")
+    assert ok.returncode == 0, ok.stderr
+    report = json.loads(ok.stdout)
+    assert report["ok"] and report["summary"]["compiles_in_grid"] == 0
+    assert report["summary"]["overhead_s"]["p99"] is not None
+    broken = tmp_path / "broken"
+    shutil.copytree(cache, broken)
+    for kind in ("fxgraph", "aotautograd"):  # the graphs gone, and the blob that holds them
+        shutil.rmtree(broken / "inductor" / kind, ignore_errors=True)
+    manifest = json.loads((broken / "manifest.json").read_text())
+    (broken / "manifest.json").write_text(json.dumps(manifest | {"megacache": None}))
+    failed = cli("verify", spec, "--cache", broken, "--traffic", log)
+    assert failed.returncode == 6, failed.stderr
+    assert "compile(s)" in failed.stderr
