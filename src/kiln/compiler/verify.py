@@ -200,26 +200,20 @@ def served_request(
     serves as that server does; None loads what the artifact carries the way bench's modes do.
     For a K-rank artifact the paths are the layout's names under ``cache``, which
     :mod:`kiln.compiler.ranks` moves into each rank's folder."""
-    if route is not None:
-        return WorkerRequest(
-            order=order,
-            torch_kwargs=served_torch_kwargs(manifest),
-            calls=calls,
-            steady_calls=10,
-            first_request=True,
-            cache_root=str(cache / INDUCTOR_DIR),
-            route=route,  # type: ignore[arg-type]
-        )
-    precompiled = manifest.precompiled
-    if precompiled and manifest.distributed:
-        precompiled = PRECOMPILED_NAME  # ranks/0/precompiled.bin is rank 0's: each has its own
-    return WorkerRequest(
+    base = WorkerRequest(
         order=order,
         torch_kwargs=served_torch_kwargs(manifest),
         calls=calls,
         steady_calls=10,
         first_request=True,
         cache_root=str(cache / INDUCTOR_DIR),
+    )
+    if route is not None:  # the route's server loads what it loads itself
+        return base.replace(route=route)
+    precompiled = manifest.precompiled
+    if precompiled and manifest.distributed:
+        precompiled = PRECOMPILED_NAME  # ranks/0/precompiled.bin is rank 0's: each has its own
+    return base.replace(
         precompile_load=str(cache / precompiled) if precompiled else None,
         frames="serve" if manifest.precompiled_frames else None,
         bytecode=str(cache / BYTECODE_DIR) if manifest.bytecode else None,
