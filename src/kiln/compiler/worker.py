@@ -537,9 +537,10 @@ def _activated(
     if activation.manifest.aoti is not None:  # compile.route: aoti: the packages, loaded
         from kiln.compiler.aoti_serve import AotiModel
 
-        assert isinstance(fn, AotiModel)
-        fn.on_miss = "eager"  # a miss is counted (verify fails on it), not raised mid-pass
-        return _Forward(fn, call_kwargs, sync, load_s=time.time() - t0, aoti=fn)
+        packages = getattr(fn, "compiled", fn)  # under kiln.compiler.padded's wrapper, if any
+        assert isinstance(packages, AotiModel)
+        packages.on_miss = "eager"  # a miss is counted (verify fails on it), not raised mid-pass
+        return _Forward(fn, call_kwargs, sync, load_s=time.time() - t0, aoti=packages)
     fell_back = bool(activation.warnings)  # precompiled forwards or frames refused: traced
     precompiled = fn if isinstance(fn, PrecompiledForward) else None
     frames_served = activation.manifest.precompiled_frames is not None and not fell_back
