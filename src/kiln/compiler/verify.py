@@ -267,9 +267,6 @@ def verify(
     first = rank_dir(cache, 0) if (cache / "ranks").is_dir() else cache
     if not (first / INDUCTOR_DIR).is_dir() and not (cache / AOTI_DIR).is_dir():
         raise NotFoundError(f"{cache}: no {INDUCTOR_DIR}/ folder (restore an artifact there first)")
-    unknown = [r for r in routes if r not in ROUTES]
-    if unknown or not routes:
-        raise UsageError(f"routes: {unknown or 'none'} (choose from {', '.join(ROUTES)})")
     manifest = read_manifest(cache)
     check_world_size(spec, manifest)
     routes = served_routes(manifest, routes)
@@ -332,8 +329,12 @@ def verify(
 
 
 def served_routes(manifest: Manifest, routes: Sequence[str]) -> Sequence[str]:
-    """``routes`` as ``manifest`` can be served: no plain ``torch.compile`` server can call an
-    AOTInductor package, so a ``compile.route: aoti`` artifact has the activate route only."""
+    """``routes`` (each one of :data:`ROUTES`) as ``manifest`` can be served: no plain
+    ``torch.compile`` server can call an AOTInductor package, so a ``compile.route: aoti``
+    artifact has the activate route only."""
+    unknown = [r for r in routes if r not in ROUTES]
+    if unknown or not routes:
+        raise UsageError(f"routes: {unknown or 'none'} (choose from {', '.join(ROUTES)})")
     if manifest.aoti is None:
         return routes
     if "activate" not in routes:
