@@ -30,6 +30,29 @@ KEY_FACTORS = (
 )
 # Factors that do not enter the keys but explain other trouble.
 INFO_FACTORS = ("python", "platform", "gpu.driver", "cpu.model", "gpu.count")
+# compile.route: aoti serves compiled libraries, with no cache keys and no compiler: what must
+# match is what the library was built against and for. The rest (Triton, Inductor's config,
+# the compile-time environment, the float32 flags, already folded into the kernels) is noted.
+AOTI_KEY_FACTORS = (
+    "torch.version",
+    "torch.git",
+    "torch.cuda",
+    "gpu.capability",
+    "cpu.capability",
+    "platform",
+)
+AOTI_INFO_FACTORS = (
+    "python",
+    "gpu.name",
+    "gpu.driver",
+    "cpu.model",
+    "gpu.count",
+    "device.index",
+    "triton.version",
+    "flags.deterministic",
+    "flags.matmul_precision",
+    "flags.allow_tf32",
+)
 
 
 @dataclass(frozen=True)
@@ -62,11 +85,22 @@ _NOTES = {
     "flags.allow_tf32": "TF32 setting is in the FX key",
     "python": "harmless if the torch build matches (a new Python usually means a new wheel)",
     "gpu.driver": "not in torch's keys; newer drivers load older cubins",
+    "cpu.capability": "AOTInductor's C++ kernels are built for the bake CPU's vector ISA",
+}
+_AOTI_NOTES = {
+    "torch.version": "the packages' libraries are built against this torch's C++ ABI",
+    "torch.git": "a different torch build: the packages' libraries may not load",
+    "torch.cuda": "the packages' kernels are built for this CUDA runtime",
+    "gpu.capability": "the packages' kernels are compiled for one compute capability",
+    "platform": "the packages are native libraries for one OS and architecture",
 }
 
 
-def compare(baked: dict[str, Any], here: dict[str, Any]) -> list[Factor]:
-    """Factor-by-factor comparison; only factors present in both sides are judged."""
+def compare(baked: dict[str, Any], here: dict[str, Any], route: str = "compile") -> list[Factor]:
+    """Factor-by-factor comparison; only factors present in both sides are judged. ``route``
+    is the artifact's ``compile.route``: ``aoti`` judges :data:`AOTI_KEY_FACTORS` only."""
+    if route == "aoti":
+        return _compare_aoti(baked, here)
     factors: list[Factor] = []
     for name in (*KEY_FACTORS, *INFO_FACTORS):
         if name not in baked and name not in here:
@@ -107,6 +141,22 @@ def compare(baked: dict[str, Any], here: dict[str, Any]) -> list[Factor]:
                     "compile-time environment differs",
                 )
             )
+    return factors
+
+
+def _compare_aoti(baked: dict[str, Any], here: dict[str, Any]) -> list[Factor]:
+    factors: list[Factor] = []
+    for name in (*AOTI_KEY_FACTORS, *AOTI_INFO_FACTORS):
+        if name not in baked and name not in here:
+            continue
+        b, h = baked.get(name), here.get(name)
+        if name not in baked or name not in here:
+            factors.append(Factor(name, b, h, True, False, "not recorded on one side"))
+            continue
+        same = b == h
+        key = name in AOTI_KEY_FACTORS
+        note = (_AOTI_NOTES.get(name) or _NOTES.get(name, "")) if key else ""
+        factors.append(Factor(name, b, h, same, (not same) and key, note))
     return factors
 
 

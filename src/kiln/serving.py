@@ -82,6 +82,7 @@ TRITON_HOME_DIR = "triton-home"
 # nothing into it (the locks are empty files, meaningful only between processes of one host).
 LOCKS_DIR = "locks"
 LOCKS_TARGET = "/tmp"
+AOTI_DIR = "aoti"  # compile.route: aoti: one extracted AOTInductor package per folder (aoti/N/)
 MANIFEST_NAME = "manifest.json"  # an artifact's first member; restore writes its own copy
 ENV_NAME = "kiln.env"  # written by restore, never shipped
 STATE_NAME = ".kiln-installed.json"  # written by restore, never shipped
@@ -94,6 +95,11 @@ MAX_WORLD_SIZE = 64  # ranks of one launch: a spec's distributed.world_size, a m
 RANK_VARS = ("RANK", "LOCAL_RANK")
 # Top-level names restore writes itself: a manifest listing a file or folder under one is refused.
 RESERVED_NAMES = frozenset({MANIFEST_NAME, ENV_NAME, STATE_NAME})
+
+# Where compile.route: aoti's packages get their weights: handed in from the serving model's
+# own parameters (``external``, the default: small artifacts, one per architecture) or built
+# into each package (``embed``: self-contained, the model's weights at bake time).
+AotiWeights = Literal["external", "embed"]
 
 NAME_PATTERN = r"^[a-z0-9._-]+$"  # artifact names: safe in file names, comments and URLs
 MAX_NAME_LENGTH = 128

@@ -41,6 +41,7 @@ from kiln.serving import (
     MAX_NAME_LENGTH,
     MAX_WORLD_SIZE,
     NAME_PATTERN,
+    AotiWeights,
     OnMiss,
     env_key_problem,
 )
@@ -74,6 +75,10 @@ RANDINT_RANGE: dict[str, tuple[int, int]] = {
     "int32": (-(2**31), 2**31),
     "float16": (-65504, 65505),
 }
+
+# compile keys added after specs were first digested, with their defaults: canonical() leaves a
+# default out, so a spec that does not use them keeps the digest it had.
+_LATER_COMPILE_DEFAULTS = {"route": "compile", "weights": "external"}
 
 Int64 = Annotated[int, Field(ge=INT64_MIN, le=INT64_MAX)]
 # A pad value as YAML writes it: a boolean, an integer or a float, never a string ("0").
@@ -148,6 +153,20 @@ class CompileSpec(_Strict):
             "Counted and logged once per shape"
         ),
     )
+    route: Literal["compile", "aoti"] = Field(
+        "compile",
+        description=(
+            "compile: serve through torch.compile from the restored caches; aoti: torch.export "
+            "+ AOTInductor packages, served without Dynamo or Inductor (full-graph models only)"
+        ),
+    )
+    weights: AotiWeights = Field(
+        "external",
+        description=(
+            "route: aoti: external builds the packages without their weights and serves the "
+            "model's own parameters; embed builds them in (self-contained, bake-time weights)"
+        ),
+    )
 
     @model_validator(mode="after")
     def _mode_xor_options(self) -> CompileSpec:
@@ -155,6 +174,21 @@ class CompileSpec(_Strict):
             raise _LocatedValueError(
                 ("options",), "mode and options are mutually exclusive (torch.compile refuses both)"
             )
+        if self.route == "compile":
+            if "weights" in self.model_fields_set:
+                raise _LocatedValueError(("weights",), "weights is for route: aoti")
+            return self
+        if self.on_miss == "compile":  # the route's server has no compiler to call
+            raise _LocatedValueError(
+                ("on_miss",), "route: aoti serves without a compiler: on_miss is error or eager"
+            )
+        if self.precompile:
+            raise _LocatedValueError(
+                ("precompile",),
+                "route: aoti serves AOTInductor packages; precompile is the torch.compile route's",
+            )
+        if self.backend != "inductor":
+            raise _LocatedValueError(("backend",), "route: aoti compiles with inductor")
         return self
 
     @property
@@ -439,6 +473,9 @@ class Spec(_Strict):
         for inp in out["inputs"]:
             if inp["pad"] is None:
                 del inp["pad"]
+        for key, default in _LATER_COMPILE_DEFAULTS.items():  # and compile's later keys
+            if out["compile"].get(key) == default:
+                del out["compile"][key]
         return out
 
     @property

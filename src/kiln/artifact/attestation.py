@@ -233,6 +233,8 @@ def build_statement(
         "precompiled": manifest.precompiled is not None,
         "warnings": list(manifest.warnings),
     }
+    if manifest.aoti is not None:  # compile.route: aoti: its packages are the whole payload
+        coverage["aoti_packages"] = len(manifest.aoti.programs)
     internal: dict[str, Any] = {
         "name": manifest.name,
         "grid": [b.key for b in manifest.grid],

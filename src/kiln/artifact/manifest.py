@@ -191,6 +191,47 @@ class PrecompiledFrames(_Model):
     module: str = Field(max_length=256, description="module of the forward the frames trace")
 
 
+class TensorMeta(_Model):
+    """A tensor's shape and dtype (torch's name, ``float32``), as a package was built for."""
+
+    shape: list[int] = Field(max_length=32)
+    dtype: str = Field(max_length=32)
+
+
+class AotiInput(_Model):
+    """One input of the served call: its name and shape (axis names or fixed sizes)."""
+
+    name: str = Field(max_length=256)
+    shape: list[str | int] = Field(max_length=32)
+    dtype: str = Field(max_length=32)
+
+
+class AotiProgram(_Model):
+    """One AOTInductor package, shipped extracted: ``path`` holds its shared library (and, on
+    CUDA, its kernel binaries); it serves the ``buckets`` named, or with ``ranges`` every size
+    from low to high (both included) along each named axis."""
+
+    path: SafePath = Field(description="the package's folder, e.g. aoti/0")
+    library: str = Field(max_length=255, pattern=r"^[^/\\]+\.so$")
+    buckets: list[str] = Field(max_length=4096)
+    ranges: dict[str, list[int]] | None = Field(None, description="axis: [low, high]")
+
+
+class Aoti(_Model):
+    """``compile.route: aoti``: what each package serves and how a server calls it
+    (kiln.compiler.aoti_serve). The manifest is the whole contract: a served process reads
+    no spec and imports neither Dynamo nor Inductor."""
+
+    device: str = Field(max_length=16, description="cpu or cuda")
+    weights: str = Field(pattern=r"^(external|embed)$")
+    on_miss: str = Field(pattern=r"^(error|eager)$")
+    inputs: list[AotiInput] = Field(max_length=256)
+    call_kwargs: dict[str, Any] = Field(default_factory=dict)
+    programs: list[AotiProgram] = Field(max_length=4096)
+    # external weights: each constant a package reads from the model, by its name there
+    constants: dict[str, TensorMeta] = Field(default_factory=dict)
+
+
 class Bytecode(_Model):
     """The Python bytecode of the modules the bake imported, under ``bytecode/`` as a
     ``sys.pycache_prefix`` tree (kiln.bytecode): shipped when the bake's image had none cached,
@@ -352,6 +393,7 @@ class RankCaches(_Model):
     passes: list[PassStats] = Field(default_factory=list)
     megacache: str | None = None
     precompiled: str | None = None
+    aoti: Aoti | None = Field(None, description="this rank's packages, under ranks/RANK/")
     same_as: int | None = Field(
         None, ge=0, description="rank 0 when this rank's folder holds rank 0's caches (same keys)"
     )
@@ -409,6 +451,7 @@ class Manifest(_Model):
     precompiled: str | None = None  # path of the AOT-compiled forwards (compile.precompile)
     precompiled_frames: PrecompiledFrames | None = None  # Dynamo's frames (precompile, breaks)
     bytecode: Bytecode | None = None  # imported modules' bytecode, for images without it
+    aoti: Aoti | None = None  # compile.route: aoti's packages (None: the torch.compile route)
     # Digest of what a reproducible bake must reproduce: cache keys and code, not torch's
     # measured entries or timings (kiln.compiler.capture.payload_sha256). None: older kilns.
     payload_sha256: str | None = None
@@ -476,6 +519,8 @@ class Manifest(_Model):
             for r in self.distributed.ranks:
                 blobs += [(f"rank {r.rank} megacache", r.megacache)]
                 blobs += [(f"rank {r.rank} precompiled", r.precompiled)]
+        for prefix, aoti in self._aoti_by_folder():
+            blobs += [("aoti library", f"{prefix}{p.path}/{p.library}") for p in aoti.programs]
         for field, value in blobs:
             # Serving reads these paths under the restored folder: only a listed file will do.
             if value is not None and value not in paths:
@@ -520,6 +565,14 @@ class Manifest(_Model):
                     f"bytecode {_shown(entry.path)} is not where Python looks for "
                     f"{_shown(entry.source)}'s ({_shown(where)})"
                 )
+
+    def _aoti_by_folder(self) -> list[tuple[str, Aoti]]:
+        """Each set of AOTInductor packages with the folder its paths are relative to: the
+        artifact's root, or for a K-rank artifact each rank's folder (the top-level ``aoti``
+        is rank 0's)."""
+        if self.distributed is None:
+            return [("", self.aoti)] if self.aoti is not None else []
+        return [(f"{RANKS_DIR}/{r.rank}/", r.aoti) for r in self.distributed.ranks if r.aoti]
 
     def _check_ranks(self, paths: set[str]) -> None:
         """A K-rank manifest is format 2 and keeps every file in one of its rank folders."""

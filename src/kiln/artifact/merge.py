@@ -560,6 +560,29 @@ def _bytecode(inputs: list[_Input], entries: list[FileEntry]) -> dict[str, Any] 
     return {"python": shipped[0].python, "modules": modules}
 
 
+def _aoti(inputs: list[_Input], grid: list[BucketStats]) -> dict[str, Any] | None:
+    """The union of the shards' AOTInductor packages (compile.route: aoti), in grid order: each
+    shard built its own buckets' packages, in folders named by bucket (no two shards share one).
+    """
+    shipped = [i.manifest.aoti for i in inputs if i.manifest.aoti is not None]
+    if not shipped:
+        return None
+    if len(shipped) != len(inputs):
+        raise IntegrityError("some shards were baked on route: aoti and others were not")
+    order = {b.key: n for n, b in enumerate(grid)}
+    programs = sorted(
+        (p for a in shipped for p in a.programs), key=lambda p: order.get(p.buckets[0], 0)
+    )
+    constants: dict[str, Any] = {}
+    for a in shipped:
+        constants.update(a.constants)
+    first = shipped[0].model_dump()
+    return first | {
+        "programs": [p.model_dump() for p in programs],
+        "constants": {k: v.model_dump() for k, v in sorted(constants.items())},
+    }
+
+
 def _manifest(
     inputs: list[_Input],
     spec: Spec,
@@ -613,6 +636,7 @@ def _manifest(
         "megacache": megacache,
         "precompiled": precompiled,
         "bytecode": _bytecode(inputs, entries),
+        "aoti": _aoti(inputs, grid),
         "payload_sha256": None,  # below: over every file restore installs, copies included
         "compile_kwargs": first.compile_kwargs,
         "warnings": warnings,

@@ -22,7 +22,8 @@ def bench_cmd(
     modes: str = typer.Option(
         "eager,cold,kiln,megacache,copied",
         "--modes",
-        help="Comma-separated modes: eager, cold, kiln, megacache, copied, kiln-blob, kiln-serial.",
+        help="Comma-separated modes: eager, cold, kiln, megacache, copied, kiln-blob, kiln-serial, "
+        "aoti (the spec baked again on compile.route: aoti, served from its packages).",
     ),
     order: Order = ORDER,
     cold_run: bool = typer.Option(

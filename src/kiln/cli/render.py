@@ -204,6 +204,23 @@ def verify_failure(report: VerifyReport) -> str:
     return "\n".join([header, *failing])
 
 
+def aoti_line(m: Manifest) -> str:
+    """How a ``compile.route: aoti`` artifact serves, in one line."""
+    assert m.aoti is not None
+    a = m.aoti
+    ranged = [p for p in a.programs if p.ranges]
+    programs = f"{len(a.programs)} ranged program(s)" if ranged else f"{len(a.programs)} package(s)"
+    weights = (
+        f"weights from the model ({len(a.constants)} tensors)"
+        if a.weights == "external"
+        else "weights embedded"
+    )
+    return (
+        f"route: aoti: {programs} on {a.device}, {weights}, off-grid inputs: {a.on_miss}; "
+        "served by kiln.activate().compile() without Dynamo or Inductor"
+    )
+
+
 def manifest_view(console: Console, m: Manifest, digest: str | None = None) -> None:
     console.print(
         f"[bold]{esc(m.name)}[/]  format {m.format} · kiln {esc(m.kiln_version)} · "
@@ -212,7 +229,9 @@ def manifest_view(console: Console, m: Manifest, digest: str | None = None) -> N
     if digest:
         console.print(f"sha256 {digest}")
     console.print(plain(f"spec sha256 {m.spec_sha256}"))
-    if m.compile_kwargs is not None:
+    if m.aoti is not None:
+        console.print(plain(aoti_line(m)))
+    elif m.compile_kwargs is not None:
         args = ", ".join(f"{k}={v!r}" for k, v in m.compile_kwargs.items())
         console.print(plain(f"serve with torch.compile({args})"))
     if m.precompiled or m.precompiled_frames:
@@ -364,6 +383,7 @@ def bench_view(console: Console, report: BenchReport) -> None:
     if any(m.startup_phases for m in report.modes.values()):
         print_table(console, startup_table(report))
     r = report.ratios()
+    aoti = "aoti" in report.modes
     console.print(
         " · ".join(
             f"{label} {factor(r[key])}"
@@ -372,6 +392,7 @@ def bench_view(console: Console, report: BenchReport) -> None:
                 ("kiln/megacache", "kiln/megacache"),
                 ("kiln/copied", "kiln/copied"),
                 ("kiln/eager", "kiln/eager"),
+                *((("aoti/eager", "aoti/eager"), ("aoti/kiln", "aoti/kiln")) if aoti else ()),
                 ("bake/bare compile", "bake/bare_compile"),
             )
         ),
@@ -395,5 +416,19 @@ def bench_view(console: Console, report: BenchReport) -> None:
         ),
         soft_wrap=True,
     )
+    if "aoti_artifact_bytes" in report.extra:
+        compared = (
+            f" (torch.compile route's: {human_bytes(report.artifact_bytes)})"
+            if report.extra.get("compile_route_baked")
+            else ""
+        )
+        console.print(
+            plain(
+                f"aoti = {report.modes['aoti'].note if aoti else 'route: aoti'} · artifact "
+                f"{human_bytes(report.extra['aoti_artifact_bytes'])}{compared} · "
+                f"bake {ms(report.extra['aoti_bake_wall_s'])}"
+            ),
+            soft_wrap=True,
+        )
     if report.extra.get("bytecode"):
         console.print(f"note: {esc(report.extra['bytecode'])}", soft_wrap=True)

@@ -131,7 +131,10 @@ def verify_cmd(
         c.print(f"ready in {ms(report.time_to_ready_s)} (process start → every bucket ran once)")
         if report.extra.get("precompile_load_s") is not None:
             loaded = ms(report.extra["precompile_load_s"])
-            c.print(f"precompiled forwards loaded in {loaded}: no Dynamo tracing")
+            if report.extra.get("route") == "aoti":
+                c.print(f"AOTInductor packages loaded in {loaded}: no Dynamo, no Inductor")
+            else:
+                c.print(f"precompiled forwards loaded in {loaded}: no Dynamo tracing")
         if report.check and not report.check.ok:
             print_table(c, factor_table(report.check, all_rows=False))
         if not report.spec_matches:

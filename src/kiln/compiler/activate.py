@@ -66,6 +66,8 @@ class Activation:
     manifest: Manifest
     warnings: list[str] = field(default_factory=list)
     layout: Path | None = None  # this rank's folder (ranks/R) of a K-rank artifact, else cache_dir
+    device_index: int = 0  # the CUDA device this process serves on
+    rank: int | None = None  # this process's rank of a K-rank artifact
 
     def compile(
         self, model: Any, *, on_miss: OnMiss | None = None, keep: Collection[str] = ()
@@ -80,10 +82,31 @@ class Activation:
         and the outputs sliced back (:mod:`kiln.compiler.padded`); ``on_miss`` (default: the
         spec's ``compile.on_miss``, else ``error``) decides a request no bucket holds, and
         ``keep`` names outputs to return unsliced.
+
+        A ``compile.route: aoti`` artifact is served from its packages instead
+        (:class:`~kiln.compiler.aoti_serve.AotiModel`): picked by input shapes, with the model's
+        own weights handed in (``weights: external``); nothing imports Dynamo or Inductor, and
+        ``on_miss`` is ``error`` or ``eager`` (there is no compiler to call).
         """
         from kiln.compiler.padded import serve
 
+        if self.manifest.aoti is not None:
+            served = self._packages(model, on_miss)
+            return serve(served, model, self.manifest, on_miss=on_miss, keep=keep)
         return serve(self._compiled(model), model, self.manifest, on_miss=on_miss, keep=keep)
+
+    def _packages(self, model: Any, on_miss: OnMiss | None) -> Any:
+        """The AOTInductor packages this process serves, loaded onto ``model``."""
+        from kiln.compiler.aoti_serve import AotiModel, served_packages
+
+        if on_miss == "compile":
+            raise UsageError(
+                "compile.route: aoti serves without a compiler: on_miss is error or eager"
+            )
+        aoti = served_packages(self.manifest, self.rank)
+        index = self.device_index if aoti.device == "cuda" else 0
+        folder = self.layout or self.cache_dir
+        return AotiModel(model, aoti, folder, device_index=index, on_miss=on_miss or "")
 
     def _compiled(self, model: Any) -> Any:
         import torch
@@ -126,6 +149,7 @@ class Activation:
             "recompile_limit": self.recompile_limit,
             "precompiled": self.manifest.precompiled is not None,
             "precompiled_frames": self.manifest.precompiled_frames is not None,
+            "route": "aoti" if self.manifest.aoti is not None else "compile",
             "warnings": self.warnings,
         }
 
@@ -162,6 +186,10 @@ def activate(
 
     import torch
 
+    if manifest.aoti is not None:
+        activation = Activation(cache, env, None, None, None, manifest, notes, layout, device_index)
+        activation.rank = rank
+        return _activate_aoti(activation, compat)
     if torch_loaded:
         from torch._dynamo.utils import counters
 
@@ -204,7 +232,34 @@ def activate(
         notes.append(slow_start)
     for note in notes:
         log.warning("kiln: %s", note)
-    return Activation(cache, env, report, loaded, limit, manifest, notes, layout)
+    return Activation(cache, env, report, loaded, limit, manifest, notes, layout, device_index)
+
+
+def _activate_aoti(activation: Activation, compat: Compat) -> Activation:
+    """activate() for a ``compile.route: aoti`` artifact: the compatibility check on what a
+    process without Inductor can know (kiln.factors.AOTI_KEY_FACTORS) and nothing else; no
+    Dynamo settings, no Mega-Cache, no Inductor import or worker pool (the packages need none)."""
+    manifest, rank = activation.manifest, activation.rank
+    report = None
+    if compat != "ignore":
+        from kiln.compiler.fingerprint import fingerprint
+
+        device = manifest.fingerprint.get("device.type", "cpu")
+        here = fingerprint(device, device_index=activation.device_index, lean=True)
+        world = manifest.world_size if rank is not None else None
+        report = compare_manifest(manifest, here, rank=rank, world_size=world)
+        activation.check = report
+        if not report.ok:
+            if compat == "fail":
+                raise report.error()
+            message = report.miss_message()
+            warnings.warn(message, CompatWarning, stacklevel=3)
+            activation.warnings.append(message)
+    if manifest.bytecode and (report is None or report.ok):  # as activate() does, once checked
+        activation.warnings.extend(_use_bytecode(activation.cache_dir / BYTECODE_DIR))
+    for note in activation.warnings:
+        log.warning("kiln: %s", note)
+    return activation
 
 
 def _use_bytecode(folder: Path) -> list[str]:

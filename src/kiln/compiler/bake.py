@@ -40,6 +40,7 @@ from kiln.artifact.archive import sha256_file, source_date_epoch, write_artifact
 from kiln.artifact.manifest import (
     MAX_GRAPH_BREAKS,
     RANKS_FORMAT,
+    Aoti,
     Bytecode,
     Distributed,
     FileEntry,
@@ -52,10 +53,11 @@ from kiln.artifact.manifest import (
     ShardInfo,
 )
 from kiln.compiler import inlaunch, ranks
-from kiln.compiler.capture import capture, capture_bytecode, payload_sha256
+from kiln.compiler.aoti_bake import dropped_cudagraphs
+from kiln.compiler.capture import capture, capture_bytecode, capture_tree, payload_sha256
 from kiln.compiler.dynamo_log import merge_breaks
 from kiln.compiler.launch import WorkerRun, run_worker
-from kiln.compiler.protocol import WorkerRequest, input_stream
+from kiln.compiler.protocol import AotiBuild, WorkerRequest, input_stream
 from kiln.errors import UsageError, VerificationError
 from kiln.events import (
     Capturing,
@@ -70,7 +72,9 @@ from kiln.events import (
 )
 from kiln.grid import Bucket, Shard, expand, ordered, rotations, shard_grid
 from kiln.serving import (
+    AOTI_DIR,
     BYTECODE_DIR,
+    DEFAULT_ON_MISS,
     FRAMES_DIR,
     INDUCTOR_DIR,
     MEGACACHE_NAME,
@@ -161,6 +165,10 @@ def bake(
     if not buckets:
         raise UsageError("the grid is empty after `exclude`")
     sliced = Shard.of(shard) if shard is not None else None
+    if sliced is not None and spec.compile.route == "aoti" and spec.compile.dynamic is True:
+        raise UsageError("route: aoti with dynamic: true builds one program for the whole grid")
+    if sliced is not None and spec.compile.route == "aoti" and spec.distributed is not None:
+        raise UsageError("route: aoti bakes a multi-rank spec in one piece (no shards)")
     if sliced is not None:
         buckets = shard_grid(spec, buckets, sliced)
     if passes is not None and not 1 <= passes <= MAX_PASSES:
@@ -195,13 +203,16 @@ def bake(
 def _capture(spec: Spec, work: Path) -> tuple[list[FileEntry], ranks.Stored | None]:
     """The files of ``work``'s layout; for K ranks, each rank's under ``ranks/R/``, stored once
     where ranks share them (:func:`kiln.compiler.ranks.store_once`; the rest are copies)."""
+    aoti = spec.compile.route == "aoti"  # the packages are the whole payload: no cache folder
     if spec.distributed is None:
-        files = capture(work) + capture_bytecode(work / BYTECODE_DIR)  # ranks ship none
+        files = capture_tree(work / AOTI_DIR, AOTI_DIR) if aoti else capture(work)
+        files += capture_bytecode(work / BYTECODE_DIR)  # the ranks' bakes ship none
         return sorted(files, key=lambda e: e.path), None
     by_rank = []
     for rank in range(spec.world_size):
         prefix = f"{RANKS_DIR}/{rank}/"
-        entries = capture(rank_dir(work, rank))
+        folder = rank_dir(work, rank)
+        entries = capture_tree(folder / AOTI_DIR, AOTI_DIR) if aoti else capture(folder)
         by_rank.append([e.model_copy(update={"path": prefix + e.path}) for e in entries])
     stored = ranks.store_once(by_rank)
     return stored.files, stored
@@ -231,6 +242,7 @@ def _with_ranks(
             ],
             megacache=blob(rank, MEGACACHE_NAME),
             precompiled=blob(rank, PRECOMPILED_NAME),
+            aoti=_aoti(spec, runs[0].results[rank].aoti),
             same_as=stored.same_as[rank],
         )
         for rank in range(spec.world_size)
@@ -244,6 +256,7 @@ def _with_ranks(
         "copies": copies,
         "megacache": per_rank[0].megacache,
         "precompiled": per_rank[0].precompiled,
+        "aoti": per_rank[0].aoti,
     }
     out = Manifest.model_validate({**manifest.model_dump(), **update})
     # Every file a restore installs, copies included: a copy changed is a different payload.
@@ -267,6 +280,8 @@ def _ships_bytecode(spec: Spec) -> bool:
 def _pass_count(spec: Spec, passes: int | None) -> tuple[int, bool]:
     """How many fresh-process passes to run at most, and whether to stop at the first quiet one
     (automatic: only specs whose compiles depend on order or on tuning results need more)."""
+    if spec.compile.route == "aoti":  # packages are built once; a later pass has no use for them
+        return 1, True
     chosen = passes or spec.warmup.passes
     if chosen is not None:
         return chosen, False
@@ -326,6 +341,8 @@ class _Baker:
             fingerprint=True,
             report_imports=_ships_bytecode(self.spec),
         )
+        if self.spec.compile.route == "aoti":
+            self.first = self.first.replace(megacache_save=None, aoti_build=self._aoti_build())
         # Later passes compile as a server without kiln.activate() does (plain torch.compile
         # through kiln.env), so that route finds its entries too; the proof serves the route
         # the artifact is made for.
@@ -335,6 +352,15 @@ class _Baker:
             precompile_save=None,
             frames=None,
             fingerprint=False,
+        )
+
+    def _aoti_build(self) -> AotiBuild:
+        c = self.spec.compile
+        return AotiBuild(
+            folder=str(self.work / AOTI_DIR),
+            options=c.inductor_options(),
+            weights=c.weights,
+            ranged=c.dynamic is True,
         )
 
     def run_pass(self, order: list[str], passes: int) -> int:
@@ -354,8 +380,9 @@ class _Baker:
         """A GPU spec's tuning pre-pass (the module docstring says why): compile and call every
         bucket once, then keep only what it tuned and compiled below the graphs (the kernels'
         sources, ``.best_config`` files and Triton's binaries); the graphs compile again in the
-        first pass, with their kernels' chosen configs."""
-        if self.spec.model.device != "cuda":
+        first pass, with their kernels' chosen configs. Not for the AOT route: its packages
+        are compiled whole, tuning included, by AOTInductor."""
+        if self.spec.model.device != "cuda" or self.spec.compile.route == "aoti":
             return
         self.emit(Tuning())
         request = self.first.replace(
@@ -436,8 +463,8 @@ class _Baker:
             )
             if report.ok:
                 return self.manifest(proof)
-            if attempt == MAX_REBAKES:
-                break
+            if attempt == MAX_REBAKES or self.spec.compile.route == "aoti":
+                break  # packages are complete once built: another pass would add nothing
             self.run_pass(report.order, len(self.runs) + 1)
             manifest = self.manifest()
         warning = (
@@ -562,6 +589,12 @@ def _manifest(
             "precompile: true, but torch saved no Dynamo frames (Dynamo traced nothing: is "
             "TORCH_COMPILE_DISABLE set?): a restored process traces every bucket again",
         ]
+    if spec.compile.route == "aoti" and dropped_cudagraphs(spec.compile.inductor_options()):
+        warnings = [
+            *warnings,
+            "route: aoti serves without CUDA graphs (kiln.compiler.aoti_serve says why): the "
+            "mode's triton.cudagraphs was left out of the packages",
+        ]
     grid = list(first.result.buckets)
     order = {b.key: i for i, b in enumerate(buckets)}
     grid.sort(key=lambda b: order[b.key])
@@ -593,11 +626,19 @@ def _manifest(
         precompiled=PRECOMPILED_NAME if any(f.path == PRECOMPILED_NAME for f in files) else None,
         precompiled_frames=frames,
         bytecode=bytecode,  # with the files: the manifest checks each pyc against it
+        # a K-rank bake's are each rank's, set by _with_ranks
+        aoti=_aoti(spec, first.result.aoti) if spec.distributed is None else None,
         compile_kwargs=torch_kwargs(spec.compile),
         graph_breaks=_graph_breaks(runs),
         warnings=warnings,
         proof=proof,
     )
+
+
+def _aoti(spec: Spec, built: Aoti | None) -> Aoti | None:
+    """The packages a first pass built (a rank's), with the spec's ``on_miss`` for servers."""
+    on_miss = spec.compile.on_miss or DEFAULT_ON_MISS
+    return built.model_copy(update={"on_miss": on_miss}) if built else None
 
 
 def _frames(spec: Spec, first: WorkerRun, files: list[FileEntry]) -> PrecompiledFrames | None:

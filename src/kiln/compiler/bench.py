@@ -15,6 +15,12 @@ is the bake's own first pass unless ``cold_run`` asks for a separate bare loop: 
 process compiling into an empty cache. For a ``precompile`` spec, ``kiln`` loads the precompiled
 forwards, and ``cold``, ``megacache`` and ``copied`` come from a separate plain ``torch.compile``
 run, as a user without kiln would have them.
+
+Opt-in ``aoti`` bakes the spec a second time on ``compile.route: aoti`` (AOTInductor packages)
+and serves that artifact, restored, as ``kiln.activate().compile()`` would: no Dynamo, no
+Inductor. The other modes then serve the spec on ``route: compile`` (a spec written for the
+AOT route is benched against its torch.compile counterpart), so one run compares both routes:
+time to ready, steady latency, and the two artifacts' sizes.
 """
 
 from __future__ import annotations
@@ -55,7 +61,7 @@ from kiln.spec import Spec, load_spec
 MODES = ("eager", "cold", "kiln", "megacache", "copied")
 # Opt-in: the restored folder *plus* the hot-loaded blob (kiln.activate's route), and kiln with
 # kernels loaded in-process.
-EXTRA_MODES = ("kiln-blob", "kiln-serial")
+EXTRA_MODES = ("kiln-blob", "kiln-serial", "aoti")
 ALL_MODES = (*MODES, *EXTRA_MODES)  # what bench() accepts, in report order
 
 
@@ -136,6 +142,8 @@ class BenchReport:
                 ("kiln", "megacache"),
                 ("kiln", "copied"),
                 ("kiln", "eager"),
+                ("aoti", "eager"),
+                ("aoti", "kiln"),
                 ("copied", "eager"),
                 ("megacache", "eager"),
                 ("cold", "eager"),
@@ -200,10 +208,16 @@ def bench(
     emit = on_event or ignore
     work = Path(workdir) if workdir else Path(tempfile.mkdtemp(prefix=f"kiln-bench-{spec.name}-"))
     work.mkdir(parents=True, exist_ok=True)
+    aoti_spec = with_route(spec, "aoti") if "aoti" in chosen else None
+    spec = with_route(spec, "compile")
     try:
-        baked = _bake_for_bench(spec, work, emit)
+        aoti_baked = _bake_aoti(aoti_spec, work, emit) if aoti_spec is not None else None
+        # --modes eager,aoti needs no torch.compile bake: the AOT one stands in for it
+        only_aoti = aoti_baked is not None and set(chosen) <= {"eager", "aoti"}
+        baked = aoti_baked if only_aoti else _bake_for_bench(spec, work, emit)
+        assert baked is not None
         keys = [b.key for b in ordered(expand(spec), order, seed)]
-        bench_ = _Bench(spec, work, baked, keys, emit, repeat)
+        bench_ = _Bench(spec, work, baked, keys, emit, repeat, aoti_baked)
         # A precompile bake fills its folder through torch's AOT route, which a plain
         # torch.compile only partly hits: the stock alternatives get a plain compile's caches.
         plain_cold = cold_run or spec.compile.precompile
@@ -222,6 +236,7 @@ def bench(
             artifact_bytes=baked.size,
             restore_s=restore_s,
             extra={
+                **bench_.aoti_extra(),
                 "order": keys,
                 "cold_source": "separate plain run" if plain_cold else "bake pass 1",
                 "bytecode": uncached_reason(),  # what no restored cache wins back, if anything
@@ -230,6 +245,31 @@ def bench(
     finally:
         if workdir is None:
             shutil.rmtree(work, ignore_errors=True)
+
+
+def with_route(spec: Spec, route: str) -> Spec:
+    """``spec`` served on ``route`` (itself when it already is): the AOT route's counterpart
+    compiles full graphs without precompile; the torch.compile route's drops the AOT keys."""
+    if spec.compile.route == route:
+        return spec
+    if route == "aoti":
+        update: dict[str, Any] = {"route": "aoti", "precompile": False, "fullgraph": True}
+    else:
+        update = {"route": "compile", "weights": "external", "on_miss": "error"}
+    variant = spec.model_copy(update={"compile": spec.compile.model_copy(update=update)})
+    variant._path = spec.path  # the worker reads the spec's file (the route is the request's)
+    return variant
+
+
+def _bake_aoti(spec: Spec, work: Path, emit: EventSink) -> BakeResult:
+    """The ``aoti`` mode's artifact: ``spec`` baked on the AOT route (its work folder kept, as
+    the torch.compile bake's is, for when it is the only bake)."""
+    emit(ModeStarted(mode="bake aoti"))
+    result = bake(
+        spec, work / "bench-aoti.kiln.tar.zst", keep_workdir=work / "aoti-workdir", on_event=emit
+    )
+    assert result is not None  # a 1-rank spec (the route is single-rank)
+    return result
 
 
 def _bake_for_bench(spec: Spec, work: Path, emit: EventSink) -> BakeResult:
@@ -265,6 +305,7 @@ class _Bench:
     order: list[str]
     emit: EventSink
     repeat: int = 1
+    aoti_baked: BakeResult | None = None  # the aoti mode's artifact (compile.route: aoti)
 
     def __post_init__(self) -> None:
         assert self.baked.workdir is not None  # bench bakes with keep_workdir
@@ -350,6 +391,32 @@ class _Bench:
             request = request.replace(torch_kwargs=kwargs)
         return self._run(mode, i, env, request)
 
+    def aoti(self, i: int) -> WorkerRun:
+        """The AOT route's artifact restored at a new path and served as ``kiln`` is: a user's
+        first process (``kiln.activate(DIR).compile(model)``, empty HOME and TMPDIR)."""
+        assert self.aoti_baked is not None
+        dest = self.work / f"aoti-{i}"
+        manifest = self.aoti_baked.manifest
+        restore(self.aoti_baked.artifact, dest)
+        home, temp = self.work / f"aoti-{i}-home", self.work / f"aoti-{i}-tmp"
+        home.mkdir()
+        temp.mkdir()
+        calls = self.spec.warmup.calls
+        served = served_request(dest, manifest, self.order, calls, made_for(manifest))
+        request, env = first_process(served, manifest, home, temp)
+        return self._run("aoti", i, env, request)
+
+    def aoti_extra(self) -> dict[str, Any]:
+        """The AOT route's bake, for the report: its size against the torch.compile route's."""
+        if self.aoti_baked is None:
+            return {}
+        return {
+            "aoti_artifact_bytes": self.aoti_baked.size,
+            "aoti_bake_wall_s": round(self.aoti_baked.wall_s, 3),
+            # False for --modes eager,aoti: artifact_bytes is then the AOT artifact's too
+            "compile_route_baked": self.baked is not self.aoti_baked,
+        }
+
     def megacache(self, i: int) -> WorkerRun:
         root = self._empty(f"megacache-{i}")
         env = {**self.env, "TORCHINDUCTOR_CACHE_DIR": str(root)}
@@ -384,7 +451,13 @@ class _Bench:
             ),
             "megacache": _Plan(self.megacache, "Mega-Cache blob alone into an empty folder"),
             "copied": _Plan(self.copied, "raw cache folder copied to a new path"),
+            "aoti": _Plan(
+                self.aoti,
+                "route: aoti: AOTInductor packages, restored, without Dynamo or Inductor",
+            ),
         }
+        if self.aoti_baked is None:
+            plans.pop("aoti")
         first = 0 if self.spec.distributed else None  # rank 0's stands for every rank's
         if not (rank_dir(self.work / "restored", first) / MEGACACHE_NAME).is_file():
             plans.pop("kiln-blob")

@@ -21,6 +21,7 @@ from kiln.artifact.payload import payload_lines as payload_lines
 from kiln.artifact.payload import payload_sha256 as payload_sha256
 from kiln.bytecode import header_problem, library_problem, pyc_path
 from kiln.serving import (
+    AOTI_DIR,
     BYTECODE_DIR,
     FRAMES_DIR,
     INDUCTOR_DIR,
@@ -63,6 +64,8 @@ def classify(rel: str) -> str:
         return "bytecode"
     if parts[0] == TRITON_HOME_DIR:
         return "triton"
+    if parts[0] == AOTI_DIR:
+        return "aoti"
     if len(parts) >= 2 and parts[0] == INDUCTOR_DIR:
         top = parts[1]
         if top in _TOP_KINDS:

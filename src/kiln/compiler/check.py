@@ -73,10 +73,12 @@ def compare_manifest(
     baked = manifest.fingerprint
     if manifest.distributed is not None and rank is not None and rank < manifest.world_size:
         baked = manifest.distributed.ranks[rank].fingerprint
-    factors = compare(baked, here) + rank_factors(manifest, rank, world_size)
+    route = "aoti" if manifest.aoti is not None else "compile"
+    factors = compare(baked, here, route) + rank_factors(manifest, rank, world_size)
     if manifest.precompiled_frames is not None:
         factors = [_frames_python(f) if f.name == "python" else f for f in factors]
-    if os.environ.get("TORCHINDUCTOR_FORCE_DISABLE_CACHES", "0") not in ("", "0"):
+    disabled = os.environ.get("TORCHINDUCTOR_FORCE_DISABLE_CACHES", "0") not in ("", "0")
+    if disabled and route == "compile":  # the aoti route reads no cache
         factors.append(
             Factor(
                 "env.TORCHINDUCTOR_FORCE_DISABLE_CACHES",
@@ -161,8 +163,11 @@ def check(
     device = baked.get("device.type", manifest.spec.get("model", {}).get("device", "cpu"))
     index = device_index if device_index is not None else (baked.get("device.index") or 0)
     where = location_factor(target, manifest, rank)  # read before the probes' folder is set
-    with private_inductor_dir():  # the ISA probes compile there, not into DIR or $TMPDIR
-        here = fingerprint(device, device_index=index, keys=keys and "torch.key" in baked)
+    if manifest.aoti is not None:  # what a served process of that route can know (no probes)
+        here = fingerprint(device, device_index=index, lean=True)
+    else:
+        with private_inductor_dir():  # the ISA probes compile there, not into DIR or $TMPDIR
+            here = fingerprint(device, device_index=index, keys=keys and "torch.key" in baked)
     report = compare_manifest(manifest, here, rank=rank, world_size=world_size)
     if where is not None:
         report.factors.append(where)

@@ -68,14 +68,18 @@ def _cpu_model() -> str | None:
     return platform.processor() or None
 
 
-def fingerprint(device: str = "cpu", *, device_index: int = 0, keys: bool = True) -> dict[str, Any]:
+def fingerprint(
+    device: str = "cpu", *, device_index: int = 0, keys: bool = True, lean: bool = False
+) -> dict[str, Any]:
     """This process's fingerprint for ``device`` ("cpu" or "cuda").
 
     ``keys`` also computes torch's and Triton's source hashes (a few seconds: torch hashes its
-    own source tree), which catch rebuilt wheels that keep their version string.
+    own source tree), which catch rebuilt wheels that keep their version string. ``lean``
+    leaves out what needs Inductor or Triton (their configs, keys and the vector ISA Inductor
+    picks by compiling test programs): the factors of ``compile.route: aoti``, whose served
+    process imports neither (kiln.factors.AOTI_KEY_FACTORS).
     """
     import torch
-    from torch._inductor import config as inductor_config
 
     fp: dict[str, Any] = {
         "python": platform.python_version(),
@@ -89,7 +93,15 @@ def fingerprint(device: str = "cpu", *, device_index: int = 0, keys: bool = True
         "device.type": device,
         "device.index": device_index if device == "cuda" else None,
         "cpu.model": _cpu_model(),
+        # The widest vector ISA this CPU and torch build use (no compiler run): AOTInductor's
+        # C++ kernels are built for the bake machine's.
+        "cpu.capability": torch.backends.cpu.get_cpu_capability(),
     }
+    if lean:
+        fp.update(_gpu(torch, device, device_index))
+        return json.loads(json.dumps(fp, default=repr))
+    from torch._inductor import config as inductor_config
+
     try:
         import triton
 
@@ -100,16 +112,7 @@ def fingerprint(device: str = "cpu", *, device_index: int = 0, keys: bool = True
         from torch._inductor.cpu_vec_isa import pick_vec_isa
 
         fp["cpu.isa"] = str(pick_vec_isa()) or "none"
-    if device == "cuda" and torch.cuda.is_available() and device_index < torch.cuda.device_count():
-        props = torch.cuda.get_device_properties(device_index)
-        fp["gpu.name"] = props.name
-        fp["gpu.capability"] = f"{props.major}.{props.minor}"
-        fp["gpu.count"] = torch.cuda.device_count()
-        fp["gpu.driver"] = _driver_version()
-    elif device == "cuda":
-        fp["gpu.name"] = None
-        fp["gpu.capability"] = None
-        fp["gpu.count"] = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    fp.update(_gpu(torch, device, device_index))
     if keys:
         from torch._inductor.codecache import torch_key
 
@@ -128,6 +131,22 @@ def fingerprint(device: str = "cpu", *, device_index: int = 0, keys: bool = True
     # Through JSON once, so a live fingerprint compares equal to one read from a manifest
     # (tuples become lists, odd objects their repr).
     return json.loads(json.dumps(fp, default=repr))
+
+
+def _gpu(torch: Any, device: str, device_index: int) -> dict[str, Any]:
+    """The GPU's factors (none for the CPU)."""
+    if device != "cuda":
+        return {}
+    if torch.cuda.is_available() and device_index < torch.cuda.device_count():
+        props = torch.cuda.get_device_properties(device_index)
+        return {
+            "gpu.name": props.name,
+            "gpu.capability": f"{props.major}.{props.minor}",
+            "gpu.count": torch.cuda.device_count(),
+            "gpu.driver": _driver_version(),
+        }
+    count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    return {"gpu.name": None, "gpu.capability": None, "gpu.count": count}
 
 
 def _driver_version() -> str | None:

@@ -15,7 +15,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from kiln.artifact.manifest import BucketStats, GraphBreak
+from kiln.artifact.manifest import Aoti, BucketStats, GraphBreak
 
 _STREAM_STRIDE = 1 << 24  # seeds per stream: 16,384 buckets of 1,000 calls
 
@@ -29,6 +29,15 @@ def input_stream(stream: int) -> int:
 class _Message(BaseModel):
     # Both ends are the same kiln: an unknown field is a bug on one side, not a newer version.
     model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class AotiBuild(_Message):
+    """Build ``compile.route: aoti``'s packages in this pass (kiln.compiler.aoti_bake)."""
+
+    folder: str = Field(description="the work folder's aoti/: one package folder per program")
+    options: dict[str, Any] = Field(default_factory=dict, description="the spec's Inductor options")
+    weights: Literal["external", "embed"] = "external"
+    ranged: bool = Field(False, description="one program over each axis's range (dynamic: true)")
 
 
 class WorkerRequest(_Message):
@@ -53,6 +62,10 @@ class WorkerRequest(_Message):
     precompile_load: str | None = Field(None, description="serve from these precompiled forwards")
     frames: Literal["record", "serve"] | None = Field(
         None, description="Dynamo's saved frames: record them (bake) or serve from them"
+    )
+    aoti_build: AotiBuild | None = Field(None, description="build AOTInductor packages (bake)")
+    aoti_load: str | None = Field(
+        None, description="serve the AOTInductor packages of the artifact restored here"
     )
     fingerprint: bool = Field(False, description="record this process's environment fingerprint")
     report_imports: bool = Field(False, description="list the library sources imported (bake)")
@@ -86,6 +99,10 @@ class WorkerRequest(_Message):
         aot = self.precompile_save or self.precompile_load
         if self.frames and (self.torch_kwargs is None or aot):
             raise ValueError("saved frames need torch_kwargs and exclude precompiled forwards")
+        if self.aoti_build and (self.torch_kwargs is None or aot or self.frames):
+            raise ValueError("an AOTInductor build compiles, and only that")
+        if self.aoti_load and (self.torch_kwargs is not None or aot or self.frames):
+            raise ValueError("serving AOTInductor packages compiles nothing (torch_kwargs None)")
         return self
 
     def replace(self, **changes: Any) -> WorkerRequest:
@@ -125,6 +142,10 @@ class WorkerResult(_Message):
     bytecode_modules: int = Field(0, ge=0, description="modules imported from request.bytecode")
     phases: dict[str, float] = Field(
         default_factory=dict, description="start-up in order: seconds per phase, before a call"
+    )
+    aoti: Aoti | None = Field(None, description="the AOTInductor packages this pass built")
+    compiler_modules: list[str] = Field(
+        default_factory=list, description="torch._dynamo / torch._inductor, if imported by the end"
     )
 
     @property

@@ -86,6 +86,9 @@ def rank_requests(
             for name in _PATH_FIELDS
             if getattr(request, name)
         }
+        if request.aoti_build is not None:  # each rank builds its own shard's packages
+            folder = in_rank_folder(request.aoti_build.folder, rank)
+            moved["aoti_build"] = request.aoti_build.model_copy(update={"folder": folder})
         rank_env = {k: in_rank_folder(v, rank) for k, v in env.items() if k in _PATH_VARS}
         for value in rank_env.values():
             Path(value).mkdir(parents=True, exist_ok=True)

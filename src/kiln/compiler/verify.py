@@ -36,6 +36,7 @@ from kiln.events import EventSink
 from kiln.files import atomic_write
 from kiln.grid import expand, off_grid, ordered
 from kiln.serving import (
+    AOTI_DIR,
     BYTECODE_DIR,
     INDUCTOR_DIR,
     PRECOMPILED_NAME,
@@ -199,7 +200,16 @@ def served_request(
     latency of each bucket: verify and bench share this. ``route`` (one of :data:`ROUTES`)
     serves as that server does; None loads what the artifact carries the way bench's modes do.
     For a K-rank artifact the paths are the layout's names under ``cache``, which
-    :mod:`kiln.compiler.ranks` moves into each rank's folder."""
+    :mod:`kiln.compiler.ranks` moves into each rank's folder. A ``compile.route: aoti``
+    artifact's packages are called without Dynamo or Inductor (nothing is compiled)."""
+    if manifest.aoti is not None:
+        request = WorkerRequest(
+            order=order, torch_kwargs=None, calls=calls, steady_calls=10, first_request=True
+        )
+        if route is not None:  # kiln.activate(DIR).compile(model), as its server does
+            return request.replace(cache_root=str(cache / INDUCTOR_DIR), route=route)
+        bytecode = str(cache / BYTECODE_DIR) if manifest.bytecode else None
+        return request.replace(aoti_load=str(cache), bytecode=bytecode)
     base = WorkerRequest(
         order=order,
         torch_kwargs=served_torch_kwargs(manifest),
@@ -249,13 +259,11 @@ def verify(
     spec = spec if isinstance(spec, Spec) else load_spec(spec)
     cache = Path(cache).absolute()
     first = rank_dir(cache, 0) if (cache / "ranks").is_dir() else cache
-    if not (first / INDUCTOR_DIR).is_dir():
+    if not (first / INDUCTOR_DIR).is_dir() and not (cache / AOTI_DIR).is_dir():
         raise NotFoundError(f"{cache}: no {INDUCTOR_DIR}/ folder (restore an artifact there first)")
-    unknown = [r for r in routes if r not in ROUTES]
-    if unknown or not routes:
-        raise UsageError(f"routes: {unknown or 'none'} (choose from {', '.join(ROUTES)})")
     manifest = read_manifest(cache)
     check_world_size(spec, manifest)
+    routes = served_routes(manifest, routes)
     grid = [b for b in expand(spec) if keys is None or b.key in keys]
     order_keys = [b.key for b in ordered(grid, order, seed)]
     changes = folder_changes(cache, manifest)
@@ -303,6 +311,8 @@ def verify(
             "precompile_load_s": lead.result.precompile_load_s,
             "ranks": spec.world_size,
             "bytecode_modules": lead.result.bytecode_modules,  # imported from the artifact's
+            "route": "aoti" if manifest.aoti is not None else "compile",
+            "compiler_modules": lead.result.compiler_modules,  # Dynamo/Inductor, if imported
         },
         routes=list(routes),
         folder_changes=changes,
@@ -312,15 +322,37 @@ def verify(
     return report
 
 
+def served_routes(manifest: Manifest, routes: Sequence[str]) -> Sequence[str]:
+    """``routes`` (each one of :data:`ROUTES`) as ``manifest`` can be served: no plain
+    ``torch.compile`` server can call an AOTInductor package, so a ``compile.route: aoti``
+    artifact has the activate route only."""
+    unknown = [r for r in routes if r not in ROUTES]
+    if unknown or not routes:
+        raise UsageError(f"routes: {unknown or 'none'} (choose from {', '.join(ROUTES)})")
+    if manifest.aoti is None:
+        return routes
+    if "activate" not in routes:
+        raise UsageError(
+            f"{manifest.name}: compile.route: aoti is served by kiln.activate() only "
+            "(route activate)"
+        )
+    return ("activate",)
+
+
 def made_for(manifest: Manifest) -> str:
-    """The route an artifact is made for: ``kiln.activate()`` loads precompiled graphs or saved
-    frames, which plain ``torch.compile`` never uses; a folder of caches serves both alike."""
-    return "activate" if manifest.precompiled or manifest.precompiled_frames else "plain"
+    """The route an artifact is made for: ``kiln.activate()`` loads precompiled graphs, saved
+    frames or AOTInductor packages, which plain ``torch.compile`` never uses; a folder of caches
+    serves both alike."""
+    loads = manifest.precompiled or manifest.precompiled_frames or manifest.aoti
+    return "activate" if loads else "plain"
 
 
 def proof_routes(manifest: Manifest) -> tuple[str, ...]:
     """What the bake's proof serves: both routes where they load different things, else the
-    plain one (``kiln.activate()`` then adds only environment and imports to it)."""
+    plain one (``kiln.activate()`` then adds only environment and imports to it). AOTInductor
+    packages have only the one."""
+    if manifest.aoti is not None:
+        return ("activate",)
     return ROUTES if made_for(manifest) == "activate" else ("plain",)
 
 

@@ -36,6 +36,7 @@ from kiln import bytecode
 from kiln.artifact.manifest import MAX_GRAPH_BREAKS, BucketStats, CompileCounts, GraphBreak
 from kiln.compiler import frames, ranks
 from kiln.compiler.activate import prepare_inductor
+from kiln.compiler.aoti_bake import AotiBuildError
 from kiln.compiler.capture import snapshot
 from kiln.compiler.counters import CompileCounters, compile_counts
 from kiln.compiler.dynamo_log import DynamoLog, merge_breaks
@@ -50,7 +51,7 @@ from kiln.compiler.protocol import (
 from kiln.compiler.writes import Snapshot, Watch
 from kiln.events import BucketDone, BucketStarted, FirstPassDone, WorkerEvent, WorkerStarted
 from kiln.grid import Bucket, expand
-from kiln.serving import RANKS_DIR
+from kiln.serving import RANKS_DIR, rank_dir
 from kiln.spec import Spec, load_spec
 
 if TYPE_CHECKING:
@@ -285,7 +286,7 @@ def run(request: WorkerRequest) -> WorkerResult:
     model = _build_model(spec, device)
     clock.mark("model build")
     forward = _forward(request, spec, model, _synchronizer(device), activation)
-    clock.mark("precompiled load" if forward.load_s is not None else "compile set-up")
+    clock.mark(_setup_phase(forward))
     model_ready = time.time()
     _emit(WorkerStarted(buckets=len(request.order), torch_import_s=torch_import_s))
     grid = _Grid(
@@ -303,6 +304,7 @@ def run(request: WorkerRequest) -> WorkerResult:
         warms = grid.warm_pass(order, request, calls=_calls(request, spec))
     warm_done = time.time()
     saved = _save_caches(request, forward)
+    building = request.aoti_build is not None
     ranks.leave(joined)
     return WorkerResult(
         buckets=[_bucket_stats(b, firsts[b.key], warms[b.key]) for b in order],
@@ -318,12 +320,21 @@ def run(request: WorkerRequest) -> WorkerResult:
             saved=saved.saved,
             entries=saved.entries if saved.saved else loaded.entries,
         ),
-        fingerprint=_fingerprint(request, spec),
+        fingerprint=_fingerprint(request, spec, lean=forward.aoti is not None and not building),
         graph_breaks=merge_breaks(_relative(grid.meter.breaks, spec), MAX_GRAPH_BREAKS),
         imported_sources=bytecode.imported_sources() if request.report_imports else [],
         bytecode_modules=bytecode.served_modules(Path(request.bytecode)) if request.bytecode else 0,
         phases=clock.phases,
+        aoti=forward.aoti.info if request.aoti_build and forward.aoti else None,
+        compiler_modules=[m for m in ("torch._dynamo", "torch._inductor") if m in sys.modules],
     )
+
+
+def _setup_phase(forward: _Forward) -> str:
+    """What the step between the model's build and its first call was, as bench names it."""
+    if forward.aoti is not None and not forward.building:
+        return "AOTInductor packages load"
+    return "precompiled load" if forward.load_s is not None else "compile set-up"
 
 
 # --- the steps of a pass ---------------------------------------------------------------------
@@ -450,6 +461,7 @@ class _Forward:
     building: bool = False  # a precompile bake: each bucket compiles ahead of its first call
     load_s: float | None = None  # time to load precompiled forwards
     serves_frames: bool = False  # Dynamo's saved frames loaded: a traced frame is a miss
+    aoti: Any = None  # route: aoti: the AotiBuilder (bake) or AotiModel (serve) behind fn
 
     def timed(self, inputs: dict[str, Any]) -> float:
         self.sync()
@@ -462,16 +474,18 @@ class _Forward:
         """A bucket's first call; a precompile bake counts the ahead-of-time compile in it."""
         if not self.building:
             return self.timed(inputs)
-        assert self.precompiled is not None
+        builder = self.precompiled or self.aoti
+        assert builder is not None
         t0 = time.perf_counter()
-        self.precompiled.add(**inputs, **self.call_kwargs)
+        builder.add(**inputs, **self.call_kwargs)
         self.timed(inputs)
         return time.perf_counter() - t0
 
     @property
     def misses(self) -> int:
-        """Calls no precompiled forward accepted so far (each one compiled)."""
-        return self.precompiled.misses if self.precompiled is not None else 0
+        """Calls no precompiled forward (or AOTInductor package) accepted so far."""
+        served = self.precompiled or self.aoti
+        return served.misses if served is not None else 0
 
 
 def _forward(
@@ -489,6 +503,8 @@ def _forward(
     if activation is not None:
         return _activated(activation, model, call_kwargs, sync)
     kwargs = request.torch_kwargs
+    if request.aoti_build or request.aoti_load:
+        return _aoti_forward(request, spec, model, sync)
     if request.precompile_save or request.precompile_load:
         assert kwargs is not None  # WorkerRequest's own rule
         precompiled, load_s = _precompiled(request, model, kwargs)
@@ -518,6 +534,13 @@ def _activated(
 
     t0 = time.time()
     fn = activation.compile(model)
+    if activation.manifest.aoti is not None:  # compile.route: aoti: the packages, loaded
+        from kiln.compiler.aoti_serve import AotiModel
+
+        packages = getattr(fn, "compiled", fn)  # under kiln.compiler.padded's wrapper, if any
+        assert isinstance(packages, AotiModel)
+        packages.on_miss = "eager"  # a miss is counted (verify fails on it), not raised mid-pass
+        return _Forward(fn, call_kwargs, sync, load_s=time.time() - t0, aoti=packages)
     fell_back = bool(activation.warnings)  # precompiled forwards or frames refused: traced
     precompiled = fn if isinstance(fn, PrecompiledForward) else None
     frames_served = activation.manifest.precompiled_frames is not None and not fell_back
@@ -552,6 +575,59 @@ def _watch(request: WorkerRequest) -> Watch | None:
         for entry in read_manifest(served).entries():
             shipped[f"{label}/{entry.path}"] = entry.sha256
     return Watch(folders, shipped)
+
+
+def _aoti_forward(
+    request: WorkerRequest, spec: Spec, model: Any, sync: Callable[[], None]
+) -> _Forward:
+    """route: aoti: build the packages ahead of each bucket's first call (bake), or load the
+    restored ones as ``kiln.activate().compile()`` does (serve); either way calls go through
+    :class:`~kiln.compiler.aoti_serve.AotiModel`. Serving imports neither Dynamo nor Inductor."""
+    from kiln.compiler import aoti_serve
+
+    call_kwargs = dict(spec.model.call_kwargs)
+    index = request.device_index if spec.model.device == "cuda" else 0
+    if request.aoti_load:
+        from kiln.artifact.archive import read_manifest
+
+        folder = Path(request.aoti_load)
+        manifest = read_manifest(folder)
+        rank = _RANK.rank if _RANK is not None and manifest.distributed is not None else None
+        aoti = aoti_serve.served_packages(manifest, rank)
+        t0 = time.time()
+        try:
+            # A miss is counted as one (verify fails on it) rather than raised mid-pass.
+            served = aoti_serve.AotiModel(
+                model, aoti, rank_dir(folder, rank), device_index=index, on_miss="eager"
+            )
+        except aoti_serve.WeightsMismatchError as exc:
+            raise _SpecProblem("model", str(exc)) from exc
+        forward = _Forward(served, call_kwargs, sync, aoti=served)
+        forward.load_s = time.time() - t0
+        return forward
+    from kiln.compiler.aoti_bake import AotiBuilder
+
+    build = request.aoti_build
+    assert build is not None
+    builder = AotiBuilder(
+        model,
+        Path(build.folder),
+        inputs=aoti_serve.spec_inputs(spec),
+        axes=list(spec.buckets),
+        call_kwargs=call_kwargs,
+        device=spec.model.device,
+        device_index=index,
+        options=build.options,
+        weights=build.weights,
+        ranges={a: [min(s), max(s)] for a, s in spec.buckets.items()} if build.ranged else None,
+        base=spec.base_dir.resolve(),
+    )
+
+    def served(*args: Any, **kwargs: Any) -> Any:
+        assert builder.served is not None  # add() ran first
+        return builder.served(*args, **kwargs)
+
+    return _Forward(served, call_kwargs, sync, building=True, aoti=builder)
 
 
 def _framed(request: WorkerRequest, model: Any, kwargs: dict[str, Any]) -> Any:
@@ -760,13 +836,14 @@ def _relative(breaks: list[GraphBreak], spec: Spec) -> list[GraphBreak]:
     ]
 
 
-def _fingerprint(request: WorkerRequest, spec: Spec) -> dict[str, Any] | None:
+def _fingerprint(request: WorkerRequest, spec: Spec, *, lean: bool) -> dict[str, Any] | None:
     """This process's environment fingerprint, when asked (it is what a manifest records)."""
     if not request.fingerprint:
         return None
     from kiln.compiler.fingerprint import fingerprint
 
-    return fingerprint(spec.model.device, device_index=request.device_index)
+    # lean: serving AOTInductor packages, only what such a server can know without Inductor.
+    return fingerprint(spec.model.device, device_index=request.device_index, lean=lean)
 
 
 def _cache_info_counts(info: Any) -> dict[str, int]:
@@ -796,7 +873,7 @@ def main(argv: list[str] | None = None) -> int:
         traceback.print_exc()
         outcome = WorkerOutcome(failure=WorkerFailure(kind="incompatible", message=str(exc)))
         code = 5
-    except _SpecProblem as exc:
+    except (_SpecProblem, AotiBuildError) as exc:
         outcome = WorkerOutcome(failure=WorkerFailure(kind="spec", key=exc.key, message=str(exc)))
         code = 2
     except Exception as exc:

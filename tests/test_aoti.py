@@ -1,0 +1,391 @@
+"""``compile.route: aoti``: AOTInductor packages baked per bucket (or one ranged program), shipped
+extracted, and served by ``kiln.activate().compile()`` without Dynamo or Inductor.
+
+The bakes are real (torch.export + AOTInductor on the CPU, in fresh processes: slow); the spec,
+manifest and factor rules are checked without torch.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from pydantic import ValidationError
+
+import kiln
+from kiln.artifact.manifest import Manifest
+from kiln.errors import UsageError
+from kiln.factors import compare, misses
+from kiln.spec import SpecError, parse_spec
+from tests.conftest import MODELS, mlp_spec
+
+
+def aoti_spec(
+    name: str = "aoti-mlp", compile_extra: str = "", buckets: str = "[2, 3]", dynamic: str = "false"
+) -> str:
+    """The tiny MLP (call_kwargs scale: 2.0) on the AOT route; compile's keys from line 7."""
+    text = mlp_spec(name, buckets=f"batch: {buckets}", dynamic=dynamic)
+    extra = "".join(f"\n  {line}" for line in compile_extra.splitlines() if line)
+    return text.replace("compile:\n", f"compile:\n  route: aoti\n  fullgraph: true{extra}\n", 1)
+
+
+# --- the spec ---------------------------------------------------------------------------------
+def test_route_defaults_keep_every_existing_digest() -> None:
+    plain = parse_spec(mlp_spec())
+    assert plain.compile.route == "compile"
+    assert "route" not in plain.canonical()["compile"]
+    assert "weights" not in plain.canonical()["compile"]
+    aoti = parse_spec(aoti_spec())
+    assert aoti.canonical()["compile"]["route"] == "aoti"
+    assert aoti.sha256() != plain.sha256()
+
+
+@pytest.mark.parametrize(
+    ("extra", "where", "message"),
+    [
+        ("precompile: true", ":9:3: compile.precompile:", "precompile is the torch.compile"),
+        ("backend: eager", ":9:3: compile.backend:", "route: aoti compiles with inductor"),
+    ],
+)
+def test_route_aoti_refuses_what_it_cannot_serve(extra: str, where: str, message: str) -> None:
+    with pytest.raises(SpecError) as err:
+        parse_spec(aoti_spec(compile_extra=extra), file="s.yaml")
+    assert where in str(err.value) and message in str(err.value)
+
+
+def test_weights_is_refused_on_the_compile_route() -> None:
+    text = mlp_spec().replace("compile:\n", "compile:\n  weights: embed\n", 1)
+    with pytest.raises(SpecError, match="weights is for route: aoti"):
+        parse_spec(text, file="s.yaml")
+
+
+def test_route_aoti_has_no_compiler_for_misses() -> None:
+    """on_miss is the padding route's policy too (kiln.serving.OnMiss); aoti refuses compile."""
+    assert parse_spec(aoti_spec(compile_extra="on_miss: eager")).compile.on_miss == "eager"
+    with pytest.raises(SpecError, match="serves without a compiler: on_miss is error or eager"):
+        parse_spec(aoti_spec(compile_extra="on_miss: compile"), file="s.yaml")
+
+
+def tp_aoti_spec(name: str = "tp-aoti") -> str:
+    """The 2-rank tensor-parallel MLP (an all_reduce in forward) on the AOT route, gloo."""
+    text = aoti_spec(name, buckets="[1, 4]").replace("tiny_mlp", "tp_mlp")
+    text = text.replace("  kwargs: {dim: 16, hidden: 32}\n  call_kwargs: {scale: 2.0}\n", "")
+    return (
+        text.replace("[batch, 16]", "[batch, 64]") + "distributed: {world_size: 2, backend: gloo}\n"
+    )
+
+
+def test_a_multi_rank_aoti_spec_is_not_sharded(tmp_path: Path) -> None:
+    spec = tmp_path / "spec.yaml"
+    spec.write_text(tp_aoti_spec())
+    assert parse_spec(spec.read_text()).compile.route == "aoti"
+    with pytest.raises(UsageError, match="multi-rank spec in one piece"):
+        kiln.bake(spec, tmp_path / "s.kiln.tar.zst", shard="0/2")
+
+
+@pytest.mark.slow
+def test_two_ranks_serve_their_packages_with_collectives(tmp_path: Path, cli) -> None:
+    """Each rank exports its shard (the all_reduce becomes a functional collective) and ships
+    its packages under ranks/R/aoti; verify serves both ranks through kiln.activate()."""
+    spec = tmp_path / "spec.yaml"
+    spec.write_text(tp_aoti_spec())
+    result = kiln.bake(spec, tmp_path / "tp.kiln.tar.zst")
+    assert result is not None
+    m = result.manifest
+    assert m.distributed is not None and m.aoti is not None
+    ranks = [r.aoti for r in m.distributed.ranks]
+    assert all(a is not None and len(a.programs) == 2 for a in ranks)
+    assert {f.kind for f in m.files} == {"aoti"}
+    assert all(f.path.startswith(("ranks/0/aoti/", "ranks/1/aoti/")) for f in m.files)
+    assert m.proof is not None and m.proof.compiles == 0
+    kiln.restore(result.artifact, tmp_path / "restored")
+    run = cli("verify", spec, "--cache", tmp_path / "restored", "--json")
+    assert run.returncode == 0, run.stderr[-3000:]
+    report = json.loads(run.stdout)
+    assert report["route"] == "aoti" and report["compiles"] == 0
+    assert report["compiler_modules"] == [] and report["ranks"] == 2
+
+
+# --- what a served process checks ------------------------------------------------------------
+def test_aoti_factors_judge_the_library_not_the_compiler() -> None:
+    baked = {"torch.version": "2.13", "cpu.capability": "AVX512", "triton.version": "3.6"}
+    here = {"torch.version": "2.13", "cpu.capability": "AVX512", "triton.version": "3.7"}
+    assert misses(compare(baked, here, "aoti")) == []
+    assert [f.name for f in misses(compare(baked, here))] == ["triton.version"]
+    here["cpu.capability"] = "AVX2"
+    (miss,) = misses(compare(baked, here, "aoti"))
+    assert miss.name == "cpu.capability" and "vector ISA" in miss.note
+
+
+def test_a_package_library_must_be_a_listed_file() -> None:
+    aoti = {
+        "device": "cpu",
+        "weights": "external",
+        "on_miss": "error",
+        "inputs": [{"name": "x", "shape": ["batch", 16], "dtype": "float32"}],
+        "programs": [{"path": "aoti/0", "library": "m.so", "buckets": ["batch=2"]}],
+    }
+    base = {
+        "name": "m",
+        "created": "2026-01-01T00:00:00+00:00",
+        "spec": {},
+        "spec_sha256": "0" * 64,
+        "fingerprint": {},
+        "grid": [],
+        "aoti": aoti,
+    }
+    entry = {"path": "aoti/0/m.so", "size": 1, "sha256": "0" * 64, "kind": "aoti"}
+    Manifest.model_validate({**base, "files": [entry]})
+    with pytest.raises(ValidationError, match=r"aoti library 'aoti/0/m\.so' is not a listed file"):
+        Manifest.model_validate({**base, "files": []})
+    aoti["programs"][0]["library"] = "../evil.so"
+    with pytest.raises(ValidationError):
+        Manifest.model_validate({**base, "files": [entry]})
+
+
+# --- real bakes -------------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def aoti_baked(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path, Manifest]:
+    """One real bake of the MLP on the AOT route (2 buckets), restored."""
+    d = tmp_path_factory.mktemp("aoti")
+    spec = d / "spec.yaml"
+    spec.write_text(aoti_spec())
+    result = kiln.bake(spec, d / "aoti.kiln.tar.zst")
+    assert result is not None
+    kiln.restore(result.artifact, d / "restored")
+    return spec, d / "restored", result.manifest
+
+
+# A server as a user writes it: kiln.activate, build, compile, call under inference mode.
+SERVE = """\
+import json, sys
+import torch
+import kiln
+
+act = kiln.activate(sys.argv[1], compat="fail")
+sys.path.insert(0, sys.argv[2])
+from models import tiny_mlp
+model = tiny_mlp(16, 32).eval()
+torch.manual_seed(1)
+other = tiny_mlp(16, 32).eval()  # another checkpoint of the architecture
+torch.nn.init.normal_(other.fc1.weight)
+out = {}
+with torch.inference_mode():
+    served = act.compile(model)
+    x = torch.randn(3, 16)
+    out["same"] = [torch.equal(served(x=x), model(x, scale=2.0)),
+                   torch.equal(served(x, scale=2.0), model(x, scale=2.0))]
+    out["other"] = torch.allclose(act.compile(other)(x=x), other(x, scale=2.0), atol=1e-6)
+    for name, call in [("off_grid", lambda: served(x=torch.randn(4, 16))),
+                       ("dtype", lambda: served(x=x.double())),
+                       ("kwarg", lambda: served(x=x, scale=3.0))]:
+        try:
+            call()
+        except Exception as exc:
+            out[name] = f"{type(exc).__name__}: {exc}"
+    eager = act.compile(model, on_miss="eager")
+    out["eager"] = torch.equal(eager(x=torch.ones(4, 16)), model(torch.ones(4, 16)))
+    out["misses"] = [served.misses, eager.misses]
+    try:
+        act.compile(model.half())
+    except Exception as exc:
+        out["half"] = f"{type(exc).__name__}: {exc}"
+compiler = ("torch._dynamo", "torch._inductor")
+out["compiler"] = sorted(m for m in sys.modules if m.startswith(compiler))
+print(json.dumps(out))
+"""
+
+
+@pytest.mark.slow
+def test_bake_ships_extracted_packages_without_weights(aoti_baked) -> None:
+    _, restored, manifest = aoti_baked
+    assert manifest.aoti is not None and manifest.aoti.weights == "external"
+    assert [p.buckets for p in manifest.aoti.programs] == [["batch=2"], ["batch=3"]]
+    assert set(manifest.aoti.constants) == {"fc1.weight", "fc1.bias", "fc2.weight", "fc2.bias"}
+    assert manifest.aoti.constants["fc1.weight"].shape == [32, 16]
+    assert manifest.aoti.call_kwargs == {"scale": 2.0}
+    kinds = {f.kind for f in manifest.files}
+    assert kinds == {"aoti"}  # no inductor cache, no Mega-Cache: the packages are the payload
+    names = [f.path for f in manifest.files]
+    assert not [n for n in names if n.endswith((".cpp", ".pt2", ".zip"))]
+    assert manifest.proof is not None and manifest.proof.compiles == 0
+    for program in manifest.aoti.programs:
+        assert (restored / program.path / program.library).is_file()
+    assert manifest.passes and len(manifest.passes) == 1
+
+
+@pytest.mark.slow
+def test_served_process_imports_neither_dynamo_nor_inductor(aoti_baked) -> None:
+    _, restored, _ = aoti_baked
+    run = subprocess.run(
+        [sys.executable, "-c", SERVE, str(restored), str(MODELS.parent)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert run.returncode == 0, run.stderr[-3000:]
+    out = json.loads(run.stdout.strip().splitlines()[-1])
+    assert out["compiler"] == []
+    assert out["same"] == [True, True]
+    assert out["other"] is True  # external weights: the model's own are served
+    assert out["off_grid"].startswith("OffGridError: no baked AOTInductor package takes these")
+    assert "x [4, 16]" in out["off_grid"] and "on_miss: eager" in out["off_grid"]
+    assert out["dtype"].startswith("OffGridError") and "float64" in out["dtype"]
+    assert "scale=3.0 was not baked" in out["kwarg"]
+    assert out["eager"] is True
+    assert out["misses"] == [3, 1]
+    assert out["half"].startswith("WeightsMismatchError: ")
+    assert "float16" in out["half"] and "float32" in out["half"]
+
+
+@pytest.mark.slow
+def test_verify_and_check_serve_the_route(aoti_baked, cli) -> None:
+    spec, restored, _ = aoti_baked
+    run = cli("verify", spec, "--cache", restored, "--json")
+    assert run.returncode == 0, run.stderr[-2000:]
+    report = json.loads(run.stdout)
+    assert report["ok"] and report["route"] == "aoti" and report["compiler_modules"] == []
+    assert report["compiles"] == 0
+    check = cli("check", restored, "--json")
+    assert check.returncode == 0, check.stderr[-2000:]
+    names = {f["name"] for f in json.loads(check.stdout)["factors"]}
+    assert "cpu.capability" in names and not any(n.startswith("inductor.") for n in names)
+
+
+@pytest.mark.slow
+def test_inspect_says_how_the_route_serves(aoti_baked, cli) -> None:
+    _, restored, _ = aoti_baked
+    run = cli("inspect", restored, no_torch=True)
+    assert run.returncode == 0, run.stderr[-2000:]
+    assert (
+        "route: aoti: 2 package(s) on cpu, weights from the model (4 tensors), off-grid "
+        "inputs: error; served by kiln.activate().compile() without Dynamo or Inductor"
+    ) in run.stdout
+    assert "serve with torch.compile(" not in run.stdout
+
+
+BRANCHY = """\
+import torch
+from torch import nn
+
+
+class Branchy(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.a = nn.Linear(16, 16)
+
+    def forward(self, x):
+        if self.a(x).sum() > 0:  # line 11: a branch on data, no full graph
+            return x * 2
+        return x
+
+
+def make():
+    return Branchy()
+"""
+
+
+@pytest.mark.slow
+def test_export_failure_is_one_located_line_exit_2(tmp_path: Path, cli) -> None:
+    (tmp_path / "branchy.py").write_text(BRANCHY)
+    text = aoti_spec("branchy").replace(f"{MODELS}:tiny_mlp", "branchy.py:make")
+    text = text.replace("  kwargs: {dim: 16, hidden: 32}\n  call_kwargs: {scale: 2.0}\n", "")
+    (tmp_path / "spec.yaml").write_text(text)
+    run = cli("bake", "spec.yaml", "-o", "out.kiln.tar.zst")
+    assert run.returncode == 2, run.stderr[-2000:]
+    line = run.stderr.strip().splitlines()[-1]
+    assert line.startswith("kiln: error: "), line
+    assert "spec.yaml:5:3: compile.route: torch.export failed at branchy.py:11: " in line
+    assert "route: compile serves graph breaks" in line
+    assert not (tmp_path / "out.kiln.tar.zst").exists()
+
+
+@pytest.mark.slow
+def test_one_ranged_program_with_embedded_weights(tmp_path: Path) -> None:
+    """dynamic: true: one program over batch 2..5 serves a size between the buckets too;
+    weights: embed serves the bake's weights whatever the model holds."""
+    spec = tmp_path / "spec.yaml"
+    spec.write_text(aoti_spec("ranged", "weights: embed", "[2, 5]", dynamic="true"))
+    result = kiln.bake(spec, tmp_path / "r.kiln.tar.zst")
+    assert result is not None and result.manifest.aoti is not None
+    (program,) = result.manifest.aoti.programs
+    assert program.ranges == {"batch": [2, 5]} and program.buckets == ["batch=2", "batch=5"]
+    assert result.manifest.aoti.constants == {}
+    kiln.restore(result.artifact, tmp_path / "restored")
+    code = (
+        "import sys, torch, kiln\n"
+        f"sys.path.insert(0, {str(MODELS.parent)!r})\n"
+        "from models import tiny_mlp\n"
+        f"act = kiln.activate({str(tmp_path / 'restored')!r})\n"
+        "baked = tiny_mlp(16, 32).eval()\n"
+        "other = tiny_mlp(16, 32).eval(); torch.nn.init.zeros_(other.fc2.weight)\n"
+        "served = act.compile(other)\n"
+        "with torch.inference_mode():\n"
+        "    x = torch.randn(4, 16)\n"
+        "    print(torch.allclose(served(x=x), baked(x, scale=2.0), atol=1e-6), served.misses)\n"
+    )
+    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stderr[-3000:]
+    assert run.stdout.split() == ["True", "0"]
+
+
+def test_a_ranged_program_is_not_sharded(tmp_path: Path) -> None:
+    spec = tmp_path / "spec.yaml"
+    spec.write_text(aoti_spec("ranged", dynamic="true"))
+    with pytest.raises(UsageError, match="one program for the whole grid"):
+        kiln.bake(spec, tmp_path / "s.kiln.tar.zst", shard="0/2")
+
+
+@pytest.mark.slow
+def test_shards_merge_into_one_set_of_packages(tmp_path: Path, cli) -> None:
+    spec = tmp_path / "spec.yaml"
+    spec.write_text(aoti_spec("sharded"))
+    for i in range(2):
+        assert kiln.bake(spec, tmp_path / f"s{i}.kiln.tar.zst", shard=f"{i}/2") is not None
+    shards = [tmp_path / "s1.kiln.tar.zst", tmp_path / "s0.kiln.tar.zst"]
+    merged = kiln.merge(shards, tmp_path / "m.kiln.tar.zst")
+    aoti = merged.manifest.aoti
+    assert aoti is not None
+    assert [(p.path, p.buckets) for p in aoti.programs] == [
+        ("aoti/batch2", ["batch=2"]),
+        ("aoti/batch3", ["batch=3"]),
+    ]
+    assert len(aoti.constants) == 4
+    kiln.restore(merged.artifact, tmp_path / "restored")
+    run = cli("verify", spec, "--cache", tmp_path / "restored", "--json")
+    assert run.returncode == 0, run.stderr[-2000:]
+    assert json.loads(run.stdout)["compiles"] == 0
+
+
+@pytest.mark.slow
+def test_bench_serves_the_aot_route_beside_the_compile_route(tmp_path: Path) -> None:
+    """``--modes kiln,aoti`` on a spec written for the AOT route: kiln serves its
+    torch.compile counterpart, aoti the packages; both artifacts' sizes are reported."""
+    spec = tmp_path / "spec.yaml"
+    spec.write_text(aoti_spec("bench-aoti", buckets="[2]"))
+    report = kiln.bench(spec, modes=("kiln", "aoti")).to_dict()
+    modes = report["modes"]
+    assert list(modes) == ["kiln", "aoti"]
+    assert modes["aoti"]["compiles"] == 0 and modes["kiln"]["compiles"] == 0
+    phases = {p["phase"] for p in modes["aoti"]["startup_phases"]}
+    assert "AOTInductor packages load" in phases
+    assert "Inductor import + worker pool start" not in phases
+    assert report["aoti_artifact_bytes"] > 0 and report["artifact_bytes"] > 0
+    assert report["ratios"]["aoti/kiln"] > 0
+    assert report["spec"]["compile"].get("route", "compile") == "compile"  # the kiln row's
+
+
+@pytest.mark.slow
+def test_bench_eager_and_aoti_alone_bakes_once(tmp_path: Path, cli) -> None:
+    spec = tmp_path / "spec.yaml"
+    spec.write_text(aoti_spec("bench-aoti-only", buckets="[2]"))
+    run = cli("bench", spec, "--modes", "eager,aoti", "--json")
+    assert run.returncode == 0, run.stderr[-2000:]
+    report = json.loads(run.stdout)
+    assert set(report["modes"]) == {"eager", "aoti"}
+    assert report["compile_route_baked"] is False
+    assert report["artifact_bytes"] == report["aoti_artifact_bytes"]
+    assert "bench: bake\n" not in run.stderr  # only the AOT route's bake ran
