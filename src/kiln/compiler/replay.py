@@ -29,7 +29,8 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from kiln.artifact.archive import read_manifest
 from kiln.compiler.counters import CompileCounters
-from kiln.compiler.launch import WorkerError, _error, _spawn, _tail, heartbeat_interval
+from kiln.compiler.launch import WorkerError, _error, _tail
+from kiln.compiler.process import heartbeat_interval, spawn
 from kiln.compiler.protocol import WorkerFailure
 from kiln.compiler.verify import check_world_size
 from kiln.compiler.writes import Watch
@@ -246,7 +247,7 @@ def _run(
             str(folder / "request.json"),
             str(folder / "outcome.json"),
         ]
-        _, code = _spawn(folder, command, worker_env(env), on_event, heartbeat_interval(), None)
+        _, code = spawn(folder, command, worker_env(env), on_event, heartbeat_interval(), None)
         log = (folder / "stderr.log").read_text(errors="replace")
         path = folder / "outcome.json"
         if not path.exists():
