@@ -108,3 +108,30 @@ def test_public_names_load_on_first_use() -> None:
         assert getattr(kiln, name) is getattr(sys.modules[home], name), name
     with pytest.raises(AttributeError, match="no attribute 'nope'"):
         kiln.nope  # noqa: B018
+
+
+def _from_imports(path: Path) -> list[tuple[int, str, str]]:
+    """Every ``from kiln.x import name`` in ``path`` (in functions too), with its line."""
+    found = []
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        module = node.module if isinstance(node, ast.ImportFrom) and not node.level else None
+        if module is not None and (module == "kiln" or module.startswith("kiln.")):
+            found += [(node.lineno, module, alias.name) for alias in node.names]
+    return found
+
+
+def test_every_name_kiln_imports_from_itself_exists() -> None:
+    """A name moved out of a module breaks every importer, even one that imports it only inside
+    a function, or one merged from another branch: each must still be there."""
+    import importlib
+
+    missing = []
+    for path in sorted(SRC.rglob("*.py")):
+        for line, module, name in _from_imports(path):
+            target = importlib.import_module(module)
+            if not hasattr(target, name):
+                try:
+                    importlib.import_module(f"{module}.{name}")
+                except ModuleNotFoundError:
+                    missing.append(f"{path.relative_to(ROOT)}:{line}: {module}.{name}")
+    assert not missing, "\n".join(missing)
