@@ -321,95 +321,28 @@ def _restore_locked(
     recover(dest, emit)
     _check_dest(dest)
     clean_stale(dest)
-    installed = read_installed(dest)
-    if installed is not None and installed.changes:
-        found = installed.changes
-        emit(
-            DestChanged(
-                dest=str(dest),
-                added=len(found.added),
-                changed=len(found.changed),
-                removed=len(found.removed),
-            )
-        )
-        installed = None  # what DEST holds is no longer what was installed: never a no-op
+    installed = _unless_changed(read_installed(dest), emit)
     if pin is not None and installed is not None:
         noop, choice = installed.satisfies(pin, selector)
         if noop:
             return _noop(dest, installed, env_file, t0, choice)
     staging = make_staging(dest)
     try:
-        if is_remote(source):
-            require_space(dest.parent, 0, "download")
-        emit(Fetching(source=source))
-        with fetch(
-            source,
-            staging,
-            expected_sha256=pin,
-            on_bytes=lambda n, total: emit(Fetched(bytes=n, total=total)),
-            timeout=timeout,
-            select=selector.choose,
-        ) as fetched:
-            if trust is not None:  # before a byte is unpacked; extract() re-hashes what it reads
-                trust.check_subject(fetched.sha256)
-            bundle_sha = fetched.release_sha256 or fetched.sha256
-            choice = fetched.choice  # an OCI index: chosen from the registry
-            if choice is not None:
-                choice = dataclasses.replace(choice, bundle_sha256=bundle_sha)
-            same = installed is not None and installed.digest == fetched.sha256
-            if same and (choice is not None or selector.variant is None):
-                assert installed is not None
-                return _noop(dest, installed, env_file, t0, choice)
-            tree = staging / "tree"
-            tree.mkdir()
-            # Unpack from the very file descriptor that was hashed, hashing again as it is
-            # read: the digest recorded (and compared with the pin) is that of the bytes
-            # unpacked, even if the file is rewritten in place meanwhile.
-            reader = HashingReader(fetched.file)
-            variant_sha: str | None = None
-            if choice is not None:
-                manifest = extract(reader, tree, emit)
-                check_variant(choice.variant, manifest)  # the annotations chose it
-            else:
-                have = installed.digest if installed is not None else None
-                out = unpack(reader, tree, emit, selector, source, have)
-                if out.choice is not None:
-                    choice = dataclasses.replace(out.choice, bundle_sha256=bundle_sha)
-                if out.manifest is None:  # the bundle's chosen variant is installed already
-                    assert installed is not None
-                    return _noop(dest, installed, env_file, t0, choice)
-                manifest, variant_sha = out.manifest, out.variant_sha256
-            unpacked = reader.finish()
-        if unpacked != fetched.sha256:
-            raise IntegrityError(
-                f"{source}: changed while it was being restored (sha256 {fetched.sha256} when "
-                f"checked, {unpacked} when unpacked); nothing was changed"
-            )
-        if fetched.downloaded:
-            fetched.path.unlink()
+        got = _fetch_and_unpack(source, staging, pin, installed, emit, timeout, selector, trust)
+        if got.manifest is None:  # what DEST holds already
+            assert installed is not None
+            return _noop(dest, installed, env_file, t0, got.choice)
         # What is installed is the artifact (a bundle's variant): its digest, as restoring it
         # alone would record; the bundle is named beside it, for the no-op of a repeat restore.
-        installed_sha = variant_sha or unpacked
-        (tree / MANIFEST_NAME).write_bytes(manifest.to_bytes())
-        (tree / ENV_NAME).write_text(
-            env_file_text(dest, manifest.name, manifest.env, manifest.world_size)
-        )
         state: dict[str, Any] = {
-            "artifact_sha256": installed_sha,
+            "artifact_sha256": got.digest,
             "source": source,
             "restored": time.time(),
         }
-        if choice is not None:
-            state["bundle"] = {"sha256": bundle_sha, "variant": choice.variant.name}
-        (tree / STATE_NAME).write_text(json.dumps(state))
-        for link in lock_links(manifest.world_size):
-            (tree / link).parent.mkdir(parents=True, exist_ok=True)
-            (tree / link).symlink_to(LOCKS_TARGET)
-        check_stage(tree, dest, manifest)
-        # Stamped last: a later repeat restore hashes only files changed after this.
-        state["stamp_ns"] = stamp(tree, manifest)
-        (tree / STATE_NAME).write_text(json.dumps(state))
-        swap(tree, dest)
+        if got.choice is not None:
+            state["bundle"] = {"sha256": got.bundle_sha256, "variant": got.choice.variant.name}
+        _complete(got.tree, dest, got.manifest, state)
+        swap(got.tree, dest)
     except OSError as exc:
         if exc.errno == errno.ENOSPC:
             raise KilnError(
@@ -418,7 +351,116 @@ def _restore_locked(
         raise
     finally:
         shutil.rmtree(staging, ignore_errors=True)
-    return _result(dest, installed_sha, manifest, env_file, t0, noop=False, choice=choice)
+    return _result(dest, got.digest, got.manifest, env_file, t0, noop=False, choice=got.choice)
+
+
+@dataclass
+class _Unpacked:
+    """What :func:`_fetch_and_unpack` left in ``tree``: the artifact's manifest (None: DEST
+    holds it already, nothing unpacked), its digest, and for a bundle the variant chosen."""
+
+    tree: Path
+    manifest: Manifest | None
+    digest: str
+    choice: Choice | None
+    bundle_sha256: str
+
+
+def _fetch_and_unpack(
+    source: str,
+    staging: Path,
+    pin: str | None,
+    installed: Installed | None,
+    emit: EventSink,
+    timeout: float,
+    selector: Selector,
+    trust: AttestationCheck | None,
+) -> _Unpacked:
+    """Fetch ``source`` into ``staging``, check its digest and attestation, and unpack the
+    artifact (a bundle's chosen variant) into ``staging/tree``."""
+    if is_remote(source):
+        require_space(staging.parent, 0, "download")
+    emit(Fetching(source=source))
+    tree = staging / "tree"
+    with fetch(
+        source,
+        staging,
+        expected_sha256=pin,
+        on_bytes=lambda n, total: emit(Fetched(bytes=n, total=total)),
+        timeout=timeout,
+        select=selector.choose,
+    ) as fetched:
+        if trust is not None:  # before a byte is unpacked; extract() re-hashes what it reads
+            trust.check_subject(fetched.sha256)
+        bundle_sha = fetched.release_sha256 or fetched.sha256
+        choice = fetched.choice  # an OCI index: chosen from the registry
+        if choice is not None:
+            choice = dataclasses.replace(choice, bundle_sha256=bundle_sha)
+        same = installed is not None and installed.digest == fetched.sha256
+        if same and (choice is not None or selector.variant is None):
+            assert installed is not None
+            return _Unpacked(tree, None, installed.digest, choice, bundle_sha)
+        tree.mkdir()
+        # Unpack from the very file descriptor that was hashed, hashing again as it is read:
+        # the digest recorded (and compared with the pin) is that of the bytes unpacked, even
+        # if the file is rewritten in place meanwhile.
+        reader = HashingReader(fetched.file)
+        variant_sha: str | None = None
+        if choice is not None:
+            manifest = extract(reader, tree, emit)
+            check_variant(choice.variant, manifest)  # the annotations chose it
+        else:
+            have = installed.digest if installed is not None else None
+            out = unpack(reader, tree, emit, selector, source, have)
+            if out.choice is not None:
+                choice = dataclasses.replace(out.choice, bundle_sha256=bundle_sha)
+            if out.manifest is None:  # the bundle's chosen variant is installed already
+                assert installed is not None
+                return _Unpacked(tree, None, installed.digest, choice, bundle_sha)
+            manifest, variant_sha = out.manifest, out.variant_sha256
+        unpacked = reader.finish()
+    if unpacked != fetched.sha256:
+        raise IntegrityError(
+            f"{source}: changed while it was being restored (sha256 {fetched.sha256} when "
+            f"checked, {unpacked} when unpacked); nothing was changed"
+        )
+    if fetched.downloaded:
+        fetched.path.unlink()
+    return _Unpacked(tree, manifest, variant_sha or unpacked, choice, bundle_sha)
+
+
+def _unless_changed(installed: Installed | None, emit: EventSink) -> Installed | None:
+    """``installed``, or None when DEST changed since (said with a :class:`DestChanged`): what
+    DEST holds is then no longer what was installed, and restoring it again is never a no-op."""
+    if installed is None or not installed.changes:
+        return installed
+    found = installed.changes
+    emit(
+        DestChanged(
+            dest=str(installed.dest),
+            added=len(found.added),
+            changed=len(found.changed),
+            removed=len(found.removed),
+        )
+    )
+    return None
+
+
+def _complete(tree: Path, dest: Path, manifest: Manifest, state: dict[str, Any]) -> None:
+    """Add restore's own files to the unpacked ``tree`` (manifest, ``kiln.env``, the state
+    file, the lock links) and check it is exactly what the manifest lists, ready to swap."""
+    (tree / MANIFEST_NAME).write_bytes(manifest.to_bytes())
+    (tree / ENV_NAME).write_text(
+        env_file_text(dest, manifest.name, manifest.env, manifest.world_size)
+    )
+    (tree / STATE_NAME).write_text(json.dumps(state))
+    for link in lock_links(manifest.world_size):
+        (tree / link).parent.mkdir(parents=True, exist_ok=True)
+        (tree / link).symlink_to(LOCKS_TARGET)
+    check_stage(tree, dest, manifest)
+    # Stamped last: a later repeat restore hashes only the files changed after this.
+    state = {**state, "stamp_ns": stamp(tree, manifest)}
+    (tree / STATE_NAME).write_text(json.dumps(state))
 
 
 def _noop(
