@@ -89,8 +89,13 @@ EAGER_PASS = """\
 import sys
 from kiln.compiler import worker
 from kiln.compiler.protocol import WorkerRequest
+from kiln.spec import load_spec
 
-request = WorkerRequest(spec_path=sys.argv[1], order=["batch=2", "batch=7"], torch_kwargs=None)
+spec = load_spec(sys.argv[1])
+request = WorkerRequest(
+    spec=spec.canonical(), spec_base=str(spec.base_dir), order=["batch=2", "batch=7"],
+    torch_kwargs=None,
+)
 result = worker.run(request)
 assert all(b.compiles == 0 for b in result.buckets)
 print(sorted(m for m in ("torch._dynamo", "torch._inductor") if m in sys.modules))

@@ -60,6 +60,27 @@ def test_worker_request_is_typed_and_always_carries_the_compile_arguments() -> N
     assert WorkerRequest.model_validate_json(compiled.model_dump_json()) == compiled
 
 
+def test_the_spec_crosses_the_process_boundary_by_value(tmp_path: Path, write_spec) -> None:
+    """Issue 28: the worker gets the parent's validated spec, not a path to parse again: an
+    edit to the file after the bake started changes nothing, and the factory file is still
+    found next to where the spec was."""
+    (tmp_path / "models.py").write_text((ROOT / "examples" / "models.py").read_text())
+    text = mlp_spec().replace(str(ROOT / "examples" / "models.py"), "models.py")
+    spec = load_spec(write_spec(text))
+    request = WorkerRequest(order=["batch=2"], torch_kwargs=None).replace(
+        spec=spec.canonical(), spec_base=str(spec.base_dir)
+    )
+    (tmp_path / "spec.yaml").write_text(text.replace("hidden: 32", "hidden: 64"))
+    sent = WorkerRequest.model_validate_json(request.model_dump_json()).load_spec()
+    assert sent.sha256() == spec.sha256() and sent.model.kwargs["hidden"] == 32
+    assert sent.factory_origin() == tmp_path / "models.py"
+    with pytest.raises(ValueError, match="without a spec"):
+        WorkerRequest(order=[], torch_kwargs=None).load_spec()
+    bad = request.spec | {"buckets": {"batch": []}}
+    with pytest.raises(ValidationError):  # validated again on the worker's side
+        request.replace(spec=bad).load_spec()
+
+
 def test_worker_outcome_holds_a_result_or_a_failure() -> None:
     failure = WorkerFailure(kind="spec", key="model.kwargs", message="bad")
     back = WorkerOutcome.model_validate_json(WorkerOutcome(failure=failure).model_dump_json())

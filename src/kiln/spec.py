@@ -326,6 +326,7 @@ class Spec(_Strict):
     )
 
     _path: Path | None = PrivateAttr(None)
+    _base: Path | None = PrivateAttr(None)  # set by with_base(): a spec that came by value
 
     @model_validator(mode="after")
     def _check_axes(self) -> Spec:
@@ -459,7 +460,17 @@ class Spec(_Strict):
 
     @property
     def base_dir(self) -> Path:
+        """Where the spec's relative paths (a factory file) start: its file's folder."""
+        if self._base is not None:
+            return self._base
         return self._path.parent if self._path else Path.cwd()
+
+    def with_base(self, base: Path) -> Spec:
+        """This spec, its relative paths resolved from ``base``: a spec sent by value (a grid
+        worker's) has no file, only the folder its file was in."""
+        out = self.model_copy()
+        out._base = base
+        return out
 
     def canonical(self) -> dict[str, Any]:
         out = self.model_dump(mode="json")

@@ -425,8 +425,18 @@ class _Baker:
         files, stored = self._captured[1]
         warnings = _warnings(self.runs, self.pass_stats, proof, proof_warning)
         runs, stats = self.runs, self.pass_stats
+        # What a server must pass: the arguments the later passes (and the proof) compiled with,
+        # derived once, on the request, not again from the spec.
         manifest = _manifest(
-            self.spec, self.buckets, runs, stats, files, warnings, proof, self._bytecode
+            self.spec,
+            self.buckets,
+            runs,
+            stats,
+            files,
+            warnings,
+            proof,
+            self.later.torch_kwargs,
+            self._bytecode,
         )
         if stored is not None:
             manifest = _with_ranks(self.spec, manifest, runs, stored)
@@ -579,6 +589,7 @@ def _manifest(
     files: list[Any],
     warnings: list[str],
     proof: ProofStats | None,
+    compile_kwargs: dict[str, Any] | None,
     bytecode: Bytecode | None = None,
 ) -> Manifest:
     first = runs[0]
@@ -628,7 +639,7 @@ def _manifest(
         bytecode=bytecode,  # with the files: the manifest checks each pyc against it
         # a K-rank bake's are each rank's, set by _with_ranks
         aoti=_aoti(spec, first.result.aoti) if spec.distributed is None else None,
-        compile_kwargs=torch_kwargs(spec.compile),
+        compile_kwargs=compile_kwargs,
         graph_breaks=_graph_breaks(runs),
         warnings=warnings,
         proof=proof,

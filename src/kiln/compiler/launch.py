@@ -103,7 +103,7 @@ def run_worker(
     rank's error, and its result is rank 0's with every rank's in ``ranks``.
     """
     heartbeat_s = heartbeat_interval()
-    request = request.replace(spec_path=str(spec.path))
+    request = request.replace(spec=spec.canonical(), spec_base=str(spec.base_dir.absolute()))
     world = spec.world_size if spec.distributed else 0
     session = inlaunch.active() if world else None
     if world and session is None and ranks.current() is not None:

@@ -11,11 +11,13 @@ Torch-free.
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from kiln.artifact.manifest import Aoti, BucketStats, GraphBreak
+from kiln.spec import Spec
 
 _STREAM_STRIDE = 1 << 24  # seeds per stream: 16,384 buckets of 1,000 calls
 
@@ -47,7 +49,12 @@ class WorkerRequest(_Message):
     recorded): the worker never derives compile arguments from the spec itself.
     """
 
-    spec_path: str = Field("", description="set by kiln.compiler.launch.run_worker")
+    spec: dict[str, Any] = Field(
+        default_factory=dict,
+        description="the spec by value (Spec.canonical()), set by kiln.compiler.launch.run_worker:"
+        " the worker compiles what the parent validated and hashed, never a re-read file",
+    )
+    spec_base: str = Field("", description="the folder the spec's relative paths start from")
     order: list[str] = Field(description="bucket keys, in the order to call them")
     torch_kwargs: dict[str, Any] | None = Field(
         description="torch.compile(model, **torch_kwargs); None runs the model eagerly"
@@ -108,6 +115,13 @@ class WorkerRequest(_Message):
     def replace(self, **changes: Any) -> WorkerRequest:
         """A copy with ``changes``, validated again (``model_copy`` would not validate)."""
         return WorkerRequest.model_validate({**self.model_dump(), **changes})
+
+    def load_spec(self) -> Spec:
+        """The spec this pass runs, validated again on this side of the process boundary (as
+        merge validates a shard's), its relative paths resolved from :attr:`spec_base`."""
+        if not self.spec:
+            raise ValueError("a WorkerRequest without a spec (run_worker sets it)")
+        return Spec.model_validate(self.spec).with_base(Path(self.spec_base))
 
 
 class MegacacheInfo(_Message):

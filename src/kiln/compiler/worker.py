@@ -52,7 +52,7 @@ from kiln.compiler.writes import Snapshot, Watch
 from kiln.events import BucketDone, BucketStarted, FirstPassDone, WorkerEvent, WorkerStarted
 from kiln.grid import Bucket, expand
 from kiln.serving import RANKS_DIR, rank_dir
-from kiln.spec import Spec, load_spec
+from kiln.spec import Spec
 
 if TYPE_CHECKING:
     from kiln.compiler.activate import Activation
@@ -271,7 +271,7 @@ def run(request: WorkerRequest) -> WorkerResult:
     import torch
 
     torch_import_s = clock.mark("kiln.activate()" if activation else "import torch")
-    spec = load_spec(request.spec_path)
+    spec = request.load_spec()
     device = _setup_device(spec, request.device_index)
     joined = _join(spec, device)
     clock.mark("device init")
