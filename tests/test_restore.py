@@ -333,3 +333,30 @@ def test_disk_full_is_clear_and_leaves_nothing(tmp_path: Path, tiny_fs: Path) ->
         restore(art, dest)
     assert tree(dest) == before
     assert sorted(p.name for p in tiny_fs.iterdir()) == ["cache"]
+
+
+# --- the library names parameters, the CLI names flags (issue 28 step 6) ----------------------
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "param", "flag_args", "flag"),
+    [
+        ({"sha256": "abc"}, "sha256", ("--sha256", "abc"), "--sha256 'abc'"),
+        ({"timeout": -1.0}, "timeout", ("--timeout", "-1"), "--timeout -1.0"),
+        ({"torch_version": " "}, "torch_version", ("--torch-version", ""), "--torch-version ''"),
+    ],
+)
+def test_a_bad_argument_names_the_parameter_and_the_cli_the_flag(
+    tmp_path: Path, cli, kwargs: dict, param: str, flag_args: tuple[str, str], flag: str
+) -> None:
+    from kiln.errors import ParameterError
+
+    art = good_archive(tmp_path / "a.kiln.tar.zst", FILES)
+    with pytest.raises(ParameterError) as caught:
+        restore(art, tmp_path / "cache", **kwargs)
+    assert caught.value.param == param and caught.value.message.startswith(f"{param}=")
+    assert "--" not in caught.value.message
+    proc = cli("restore", art, "--dest", tmp_path / "cache", *flag_args, no_torch=True)
+    assert proc.returncode == 2, proc.stderr
+    assert proc.stderr.startswith(f"kiln: error: {flag}: expected "), proc.stderr
+    assert not (tmp_path / "cache").exists()

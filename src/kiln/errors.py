@@ -38,6 +38,23 @@ class UsageError(KilnError):
     exit_code = ExitCode.USAGE
 
 
+class ParameterError(UsageError):
+    """A bad argument to a library function, named as the function names it (``sha256``).
+
+    The library does not know it is behind a command line; the CLI words the same error as its
+    flag (:meth:`as_flag`: ``--sha256 'x': ...``), as click's ``BadParameter`` does.
+    """
+
+    def __init__(self, param: str, value: object, problem: str) -> None:
+        super().__init__(f"{param}={value!r}: {problem}")
+        self.param, self.value, self.problem = param, value, problem
+
+    def as_flag(self) -> str:
+        """The message with the parameter spelled as the CLI's flag (``torch_version`` ->
+        ``--torch-version``): every such parameter has the flag of the same name."""
+        return f"--{self.param.replace('_', '-')} {self.value!r}: {self.problem}"
+
+
 class SpecError(UsageError):
     """A spec problem, located as ``file:line:col: path.to.key: message``."""
 

@@ -58,7 +58,7 @@ from kiln.artifact.extract import (
 from kiln.artifact.machine import CAPABILITY, Machine, detect
 from kiln.artifact.manifest import MAX_TOTAL_BYTES, Manifest, first_problem
 from kiln.artifact.storage.base import copy_hashing
-from kiln.errors import IncompatibleError, IntegrityError, UsageError
+from kiln.errors import IncompatibleError, IntegrityError, ParameterError, UsageError
 from kiln.events import EventSink
 from kiln.files import atomic_write
 from kiln.serving import MAX_NAME_LENGTH, NAME_PATTERN
@@ -460,8 +460,8 @@ class Selector:
         if self.torch_version is not None:
             t = self.torch_version.strip()
             if not t or len(t) > MAX_TEXT or not t.isprintable() or " " in t:
-                raise UsageError(
-                    f"--torch-version {self.torch_version!r}: expected e.g. 2.11.0+cu130"
+                raise ParameterError(
+                    "torch_version", self.torch_version, "expected e.g. 2.11.0+cu130"
                 )
 
     def here(self) -> Machine:

@@ -35,7 +35,7 @@ from rich.progress import (
 )
 from rich.text import Text
 
-from kiln.errors import ExitCode, KilnError
+from kiln.errors import ExitCode, KilnError, ParameterError
 from kiln.events import (
     BucketDone,
     BucketStarted,
@@ -268,6 +268,8 @@ def classify(exc: BaseException) -> tuple[int, str, object | None]:
     A :class:`KilnError` carries its code; a flag or argument that click refuses (a bad
     ``--order``, a missing SPEC) is a usage error, exit 2; anything else is a bug, exit 1.
     """
+    if isinstance(exc, ParameterError):  # the library names a parameter; here it is a flag
+        return int(exc.exit_code), exc.as_flag(), exc.detail
     if isinstance(exc, KilnError):
         return int(exc.exit_code), exc.message, exc.detail
     if isinstance(exc, _ClickUsageError):

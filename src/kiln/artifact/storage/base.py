@@ -28,7 +28,7 @@ from pathlib import Path
 from types import ModuleType
 from typing import IO, Any, BinaryIO, NamedTuple
 
-from kiln.errors import IntegrityError, KilnError, UsageError
+from kiln.errors import IntegrityError, KilnError, ParameterError, UsageError
 from kiln.files import CHUNK
 from kiln.installs import extra_hint
 
@@ -66,8 +66,8 @@ def parse_digest(value: str | None) -> str | None:
         return None
     match = _DIGEST.fullmatch(value.lower()) if isinstance(value, str) else None
     if match is None:
-        raise UsageError(
-            f"--sha256 {value!r}: expected 64 hex digits, optionally prefixed by 'sha256:'"
+        raise ParameterError(
+            "sha256", value, "expected 64 hex digits, optionally prefixed by 'sha256:'"
         )
     return match.group(1)
 
@@ -90,8 +90,8 @@ def check_timeout(value: object) -> float:
         or value <= 0
         or value > MAX_TIMEOUT
     ):
-        raise UsageError(
-            f"--timeout {value!r}: expected a positive number of seconds, at most {MAX_TIMEOUT}"
+        raise ParameterError(
+            "timeout", value, f"expected a positive number of seconds, at most {MAX_TIMEOUT}"
         )
     return float(value)
 
