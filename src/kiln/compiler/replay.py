@@ -49,7 +49,8 @@ class _Message(BaseModel):
 
 
 class ReplayRequest(_Message):
-    spec_path: str
+    spec: dict[str, Any] = Field(description="the spec by value (Spec.canonical())")
+    spec_base: str = Field(description="the folder the spec's relative paths start from")
     cache: str = Field(description="the private copy of the restored folder this process serves")
     watch: dict[str, str] = Field(
         default_factory=dict,
@@ -210,7 +211,8 @@ def replay(
         )
     requests = [list(sizes) for sizes, count in log.lines for _ in range(count)]
     request = ReplayRequest(
-        spec_path=str(spec.path),
+        spec=spec.canonical(),
+        spec_base=str(spec.base_dir.absolute()),
         cache=str(cache),
         requests=requests,
         on_miss=on_miss,
@@ -307,7 +309,7 @@ def run(request: ReplayRequest) -> ReplayResult:
     from kiln.compiler.worker import _build_model, _setup_device, _synchronizer
     from kiln.padding import PadGrid
 
-    spec = load_spec(request.spec_path)
+    spec = Spec.model_validate(request.spec).with_base(Path(request.spec_base))
     device = _setup_device(spec, request.device_index)
     model = _build_model(spec, device)
     served = activation.compile(model, on_miss=request.on_miss)
