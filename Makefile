@@ -2,7 +2,8 @@
 # (bake → restore → verify, on CPU); `make test` runs lint and the whole test suite (what CI
 # runs); `make test-fast` runs lint and the tests that are neither `slow` (real torch.compile in
 # fresh processes) nor `gpu`, for the edit-test loop. Both spread the tests over JOBS pytest-xdist
-# workers (default: one per core; JOBS=0 runs them in this process).
+# workers (default: one per core; JOBS=0 runs them in this process); an idle worker takes queued
+# tests from a busy one (worksteal), so one long bake does not end the run alone.
 PYTHON ?= python3
 JOBS ?= auto
 VENV ?= .venv
@@ -26,10 +27,10 @@ lint: venv
 	$(BIN)/ruff format --check src tests examples scripts
 
 test: lint
-	$(BIN)/python -m pytest -q -n $(JOBS)
+	$(BIN)/python -m pytest -q -n $(JOBS) --dist worksteal
 
 test-fast: lint
-	$(BIN)/python -m pytest -q -n $(JOBS) -m "not slow and not gpu"
+	$(BIN)/python -m pytest -q -n $(JOBS) --dist worksteal -m "not slow and not gpu"
 
 demo: venv
 	$(BIN)/kiln bake configs/tiny-gpt.yaml -o out/tiny-gpt.kiln.tar.zst
