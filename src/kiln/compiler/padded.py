@@ -377,6 +377,11 @@ def serve(
 ) -> Callable[..., Any]:
     """``compiled`` wrapped in :class:`PaddedModel` when ``manifest``'s spec pads an axis,
     else as it is. ``on_miss`` defaults to the spec's ``compile.on_miss``, else ``error``."""
+    inputs = manifest.spec.get("inputs")
+    if not isinstance(inputs, list) or not any(
+        isinstance(i, dict) and i.get("pad") is not None for i in inputs
+    ):
+        return compiled  # no pad declared: served exactly as before padding existed
     grid = PadGrid.from_manifest(manifest)
     if not grid.pads:
         return compiled
