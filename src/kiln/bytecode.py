@@ -191,6 +191,14 @@ def write(sources: Iterable[str], dest: Path) -> int:
     return int(proc.stdout)
 
 
+def plain_env(folder: Path) -> dict[str, str]:
+    """What a server on plain ``kiln.env`` sets itself to import from ``folder`` (the README's
+    line), on an image without its own bytecode; nothing on one that has it."""
+    if not folder.is_dir() or uncached_reason() is None:
+        return {}
+    return dict(zip(_CHILD_ENV, (str(folder), "1"), strict=True))
+
+
 def use(folder: Path) -> str | None:
     """Import from ``folder`` (a restored artifact's ``bytecode/``) from now on, when torch's
     bytecode is not cached where this interpreter looks; returns what was done, or None.

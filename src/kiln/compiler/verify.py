@@ -23,6 +23,7 @@ from dataclasses import dataclass, field
 from pathlib import Path, PurePosixPath
 from typing import Any
 
+from kiln import bytecode
 from kiln.artifact.archive import read_manifest
 from kiln.artifact.drift import changes
 from kiln.artifact.manifest import BucketStats, GraphBreak, Manifest
@@ -390,11 +391,15 @@ def first_process(
     request: WorkerRequest, manifest: Manifest, home: Path, temp: Path
 ) -> tuple[WorkerRequest, dict[str, str]]:
     """``request`` (a served route's) and its environment as a new pod's first process: the
-    served folder's ``kiln.env`` values, an empty ``HOME`` and ``TMPDIR``, all three watched."""
+    served folder's ``kiln.env`` values, an empty ``HOME`` and ``TMPDIR``, all three watched.
+    A plain server on an image without bytecode imports from the artifact's, as the README
+    tells it to (``kiln.activate()`` does that itself)."""
     assert request.cache_root is not None
     served = Path(request.cache_root).parent
     watch = {"DIR": str(served), "HOME": str(home), "TMPDIR": str(temp)}
     env = cache_env(served, manifest.env) | {"HOME": str(home), "TMPDIR": str(temp)}
+    if request.route == "plain" and manifest.bytecode:
+        env |= bytecode.plain_env(served / BYTECODE_DIR)
     return request.replace(watch=watch), env
 
 

@@ -323,7 +323,10 @@ def run(request: WorkerRequest) -> WorkerResult:
         fingerprint=_fingerprint(request, spec, lean=forward.aoti is not None and not building),
         graph_breaks=merge_breaks(_relative(grid.meter.breaks, spec), MAX_GRAPH_BREAKS),
         imported_sources=bytecode.imported_sources() if request.report_imports else [],
-        bytecode_modules=bytecode.served_modules(Path(request.bytecode)) if request.bytecode else 0,
+        # whichever way the prefix came: request.bytecode, activate(), or a plain server's env
+        bytecode_modules=bytecode.served_modules(Path(sys.pycache_prefix))
+        if sys.pycache_prefix
+        else 0,
         phases=clock.phases,
         aoti=forward.aoti.info if request.aoti_build and forward.aoti else None,
         compiler_modules=[m for m in ("torch._dynamo", "torch._inductor") if m in sys.modules],
