@@ -259,7 +259,8 @@ def test_check_of_a_moved_folder_is_exit_5_naming_the_cache_location(cli, tmp_pa
     first = tmp_path / "first"
     restore(good_archive(tmp_path / "a.kiln.tar.zst"), first)
     moved = tmp_path / "moved"
-    shutil.copytree(first, moved)
+    # As `cp -R` copies: links stay links (DEST/inductor/locks links to /tmp, never copied).
+    shutil.copytree(first, moved, symlinks=True)
     shutil.rmtree(first)
     sourced = {"TORCHINDUCTOR_CACHE_DIR": str(first / "inductor")}  # first's kiln.env, sourced
     proc = cli("check", moved, env=sourced)
