@@ -257,7 +257,7 @@ def with_route(spec: Spec, route: str) -> Spec:
     else:
         update = {"route": "compile", "weights": "external", "on_miss": "error"}
     variant = spec.model_copy(update={"compile": spec.compile.model_copy(update=update)})
-    variant._path = spec.path  # the worker reads the spec's file (the route is the request's)
+    variant._path = spec.path  # its file: error positions and relative paths (sent by value)
     return variant
 
 
