@@ -427,7 +427,7 @@ class _Bench:
         root = self.work / f"copied-{i}" / INDUCTOR_DIR
         for rank in self._ranks():  # a K-rank bake: each rank's folder (kiln.compiler.ranks)
             src = rank_dir(self.stock_root.parent, rank) / INDUCTOR_DIR
-            shutil.copytree(src, rank_dir(root.parent, rank) / INDUCTOR_DIR)
+            shutil.copytree(src, rank_dir(root.parent, rank) / INDUCTOR_DIR, symlinks=True)
         env = {**self.env, "TORCHINDUCTOR_CACHE_DIR": str(root)}
         return self._run("copied", i, env, self.request.replace(cache_root=str(root)))
 
