@@ -117,8 +117,9 @@ def test_explain_tells_a_key_miss_from_kernel_rebuilds() -> None:
         recompile_reasons=["0/0: tensor 'x' size mismatch at index 0. expected 4, actual 1"],
     )
     assert explain(retuned) == (
-        "batch=1: 25 compile(s): 11 kernel binaries, 14 autotune runs (every graph hit; Triton "
-        "rebuilt or re-tuned kernels: triton_per_fused_mean_1, triton_per_fused_mean_2)"
+        "batch=1: 25 compile(s): 11 kernel binaries, 14 autotune runs (every graph hit; the "
+        "process built, tuned or wrote: triton_per_fused_mean_1.cubin, "
+        "triton_per_fused_mean_2.cubin)"
     )
     missed = BucketStats(
         **base, steady_s=0.001, fx_misses=1, recompile_reasons=retuned.recompile_reasons
