@@ -9,6 +9,7 @@ shards' manifests with each other, with the same words.
 
 from __future__ import annotations
 
+from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
 from typing import Any
 
@@ -101,19 +102,7 @@ def compare(baked: dict[str, Any], here: dict[str, Any], route: str = "compile")
     is the artifact's ``compile.route``: ``aoti`` judges :data:`AOTI_KEY_FACTORS` only."""
     if route == "aoti":
         return _compare_aoti(baked, here)
-    factors: list[Factor] = []
-    for name in (*KEY_FACTORS, *INFO_FACTORS):
-        if name not in baked and name not in here:
-            continue
-        b, h = baked.get(name), here.get(name)
-        if name not in baked or name not in here:
-            # One side did not record it (e.g. keys=False): say so, never guess a match.
-            factors.append(Factor(name, b, h, True, False, "not recorded on one side"))
-            continue
-        same = b == h
-        factors.append(
-            Factor(name, b, h, same, (not same) and name in KEY_FACTORS, _NOTES.get(name, ""))
-        )
+    factors = _judge(baked, here, KEY_FACTORS, INFO_FACTORS, lambda name: _NOTES.get(name, ""))
     b_ind, h_ind = baked.get("inductor", {}), here.get("inductor", {})
     for key in sorted(set(b_ind) | set(h_ind)):
         if b_ind.get(key) != h_ind.get(key) and key in b_ind and key in h_ind:
@@ -145,18 +134,36 @@ def compare(baked: dict[str, Any], here: dict[str, Any], route: str = "compile")
 
 
 def _compare_aoti(baked: dict[str, Any], here: dict[str, Any]) -> list[Factor]:
+    return _judge(
+        baked,
+        here,
+        AOTI_KEY_FACTORS,
+        AOTI_INFO_FACTORS,
+        lambda name: (
+            (_AOTI_NOTES.get(name) or _NOTES.get(name, "")) if name in AOTI_KEY_FACTORS else ""
+        ),
+    )
+
+
+def _judge(
+    baked: dict[str, Any],
+    here: dict[str, Any],
+    keys: Sequence[str],
+    infos: Sequence[str],
+    note: Callable[[str], str],
+) -> list[Factor]:
+    """The named factors present on either side: a difference in one of ``keys`` misses."""
     factors: list[Factor] = []
-    for name in (*AOTI_KEY_FACTORS, *AOTI_INFO_FACTORS):
+    for name in (*keys, *infos):
         if name not in baked and name not in here:
             continue
         b, h = baked.get(name), here.get(name)
         if name not in baked or name not in here:
+            # One side did not record it (e.g. keys=False): say so, never guess a match.
             factors.append(Factor(name, b, h, True, False, "not recorded on one side"))
             continue
         same = b == h
-        key = name in AOTI_KEY_FACTORS
-        note = (_AOTI_NOTES.get(name) or _NOTES.get(name, "")) if key else ""
-        factors.append(Factor(name, b, h, same, (not same) and key, note))
+        factors.append(Factor(name, b, h, same, (not same) and name in keys, note(name)))
     return factors
 
 
