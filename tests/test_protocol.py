@@ -267,6 +267,24 @@ def test_compile_env_pins_the_job_id_where_shapes_may_be_dynamic(write_spec) -> 
     assert compile_env(mine) == {"TORCHINDUCTOR_CPP_CACHE_PRECOMPILE_HEADERS": "1"}
 
 
+def test_activate_sets_each_compile_default_on_an_imported_config() -> None:
+    """The compile defaults are in Inductor's FX key and torch reads them once, at import: a
+    server that imported Dynamo before activate() keys its graphs as the bake did only if
+    activate() sets the config too, to the value torch would have read."""
+    from kiln.compiler.activate import _CONFIG_BACKED
+
+    for var, value in COMPILE_DEFAULTS.items():
+        module, attr, parse = _CONFIG_BACKED[var]
+        read = subprocess.run(
+            [sys.executable, "-c", f"import {module} as c; print(repr(c.{attr}))"],
+            env={**os.environ, var: value},
+            capture_output=True,
+            text=True,
+            check=True,
+        )
+        assert read.stdout.strip() == repr(parse(value)), var
+
+
 def test_served_torch_kwargs_are_what_the_bake_recorded(write_spec) -> None:
     spec = load_spec(write_spec(mlp_spec()))
     recorded = manifest_for({}, compile_kwargs={"backend": "eager", "fullgraph": True})

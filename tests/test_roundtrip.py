@@ -61,13 +61,20 @@ def test_roundtrip_zero_compiles_in_any_order(baked, tmp_path: Path, cli) -> Non
     for order, seed in (("shuffle", 1), ("reverse", 0)):
         report = kiln.verify(spec_path, dest, order=order, seed=seed)
         assert report.ok, report.reasons()
-        assert sum(b.fx_hits for b in report.buckets) >= 3
+        assert report.routes == ["plain", "activate"]
+        for route in report.routes:
+            served = report.on_route(route)
+            assert sum(b.fx_hits for b in served) >= 3
+            assert {b.key for b in served} == {b.key for b in result.manifest.grid}
         assert report.spec_matches and report.check is not None and report.check.ok
         cold = {b.key: b.first_call_s for b in result.manifest.grid}
         # Reported, not asserted (timing lives in benchmarks):
         print(
             order,
-            {b.key: (round(b.first_call_s, 3), round(cold[b.key], 3)) for b in report.buckets},
+            {
+                b.key: (round(b.first_call_s, 3), round(cold[b.key], 3))
+                for b in report.on_route("plain")
+            },
         )
     ready = tmp_path / "ready.json"
     proc = cli("verify", spec_path, "--cache", dest, "--ready-file", ready, "--json")
@@ -299,9 +306,12 @@ def test_precompiled_forwards_skip_dynamo_and_fall_back_off_grid(
     kiln.restore(result.artifact, dest)
     report = kiln.verify(spec_path, dest, order="reverse")
     assert report.ok, report.reasons()
-    assert sum(b.unique_graphs for b in report.buckets) == 0  # Dynamo traced nothing
-    assert sum(b.fx_hits + b.fx_misses for b in report.buckets) == 0
+    served = report.on_route("activate")  # the route the forwards are made for
+    assert sum(b.unique_graphs for b in served) == 0  # Dynamo traced nothing
+    assert sum(b.fx_hits + b.fx_misses for b in served) == 0
     assert report.to_dict()["precompile_load_s"] > 0
+    plain = report.on_route("plain")  # torch.compile after kiln.env traces, and hits
+    assert sum(b.unique_graphs for b in plain) > 0 and sum(b.fx_hits for b in plain) > 0
 
     server = f"""
 import sys, json, torch
@@ -338,11 +348,16 @@ print(json.dumps({{"act": act.to_dict(), "out": out, "frames": dict(counters["fr
     }
     assert "match no precompiled bucket" in proc.stderr
 
-    # Forwards this torch refuses (here: damaged after restore) are an incompatibility, exit 5.
-    (dest / "precompiled.bin").write_bytes(b"not a pickle")
-    bad = cli("verify", spec_path, "--cache", dest)
-    assert bad.returncode == 5, bad.stderr[-2000:]
-    assert "refuses the precompiled forwards" in bad.stderr
+    # Forwards damaged after restore: the folder changed, verify fails (exit 6) and says to
+    # restore again; the activate route fell back to compiling, which it counts.
+    fresh = tmp_path / "fresh"
+    kiln.restore(result.artifact, fresh)
+    (fresh / "precompiled.bin").write_bytes(b"not a pickle")
+    bad = cli("verify", spec_path, "--cache", fresh, "--json")
+    assert bad.returncode == 6, bad.stderr[-2000:]
+    body = json.loads(bad.stdout)
+    assert body["folder_changes"] == ["~precompiled.bin"], body["folder_changes"]
+    assert "restore it again" in bad.stderr
 
 
 def test_kiln_processes_hide_torchs_numpy_warning(baked, cli) -> None:

@@ -170,7 +170,7 @@ class CompileSpec(_Strict):
 
     @model_validator(mode="after")
     def _mode_xor_options(self) -> CompileSpec:
-        if self.options and "mode" in self.model_fields_set:
+        if self.options and self.mode is not None:  # torch refuses both, mode=None aside
             raise _LocatedValueError(
                 ("options",), "mode and options are mutually exclusive (torch.compile refuses both)"
             )

@@ -3,12 +3,15 @@
 from __future__ import annotations
 
 from enum import Enum
+from typing import TYPE_CHECKING
 
-import click
 import typer
 from typer.core import TyperArgument, TyperCommand, TyperGroup, TyperOption
 
 from kiln.grid import Order
+
+if TYPE_CHECKING:  # typer >= 0.2x vendors click and no longer installs it
+    import click
 
 JSON = typer.Option(False, "--json", help="Print only machine-readable JSON on stdout.")
 QUIET = typer.Option(False, "--quiet", "-q", help="No progress on stderr.")

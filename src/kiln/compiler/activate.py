@@ -20,7 +20,7 @@ import logging
 import os
 import sys
 import warnings
-from collections.abc import Collection
+from collections.abc import Callable, Collection
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
@@ -44,11 +44,18 @@ log = logging.getLogger("kiln")
 
 Compat = Literal["fail", "warn", "ignore"]
 
-# Env vars torch reads into config objects at import time: set them on the config too.
-_CONFIG_BACKED: dict[str, tuple[str, str, type]] = {
+# Env vars torch reads into config objects at import time: set them on the config too (a server
+# that imported Dynamo before activate() would otherwise key its graphs with the old values).
+_CONFIG_BACKED: dict[str, tuple[str, str, Callable[[str], Any]]] = {
     "TORCH_COMPILE_JOB_ID": ("torch.compiler.config", "job_id", str),
     "TORCH_COMPILE_CACHE_KEY_TAG": ("torch.compiler.config", "cache_key_tag", str),
     "TORCHINDUCTOR_COMPILE_THREADS": ("torch._inductor.config", "compile_threads", int),
+    # kiln.serving.COMPILE_DEFAULTS: part of the FX key, read as `== "1"` by torch
+    "TORCHINDUCTOR_CPP_CACHE_PRECOMPILE_HEADERS": (
+        "torch._inductor.config",
+        "cpp_cache_precompile_headers",
+        lambda value: value == "1",
+    ),
 }
 
 

@@ -579,6 +579,7 @@ def _stable_workdir(name: str, on_wait: Callable[[str], None]) -> Iterator[Path]
             yield work
         finally:
             shutil.rmtree(work, ignore_errors=True)
+            lock.truncate(0)  # who held it is said only while it is held
 
 
 def _manifest(

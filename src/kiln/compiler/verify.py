@@ -74,6 +74,19 @@ class VerifyReport:
     def failing(self) -> list[BucketStats]:
         return [b for b in self.buckets if b.compiles > 0]
 
+    def on_route(self, route: str) -> list[BucketStats]:
+        """The buckets ``route`` served, keyed as the grid names them (:func:`route_key`)."""
+        if route not in self.routes:
+            return []
+        if len(self.routes) == 1:
+            return list(self.buckets)
+        prefix = route_key(route, "")
+        return [
+            b.model_copy(update={"key": b.key.removeprefix(prefix)})
+            for b in self.buckets
+            if b.key.startswith(prefix)
+        ]
+
     @property
     def ok(self) -> bool:
         return not self.failing and not self.folder_changes
@@ -290,7 +303,7 @@ def verify(
             # A re-trace that hit the cache is how a fresh process works: no reason to show.
             b = b if b.compiles else b.model_copy(update={"recompile_reasons": []})
             buckets.append(
-                b.model_copy(update={"key": f"{route} · {b.key}"}) if len(runs) > 1 else b
+                b.model_copy(update={"key": route_key(route, b.key)}) if len(runs) > 1 else b
             )
     report = VerifyReport(
         name=manifest.name,
@@ -321,6 +334,11 @@ def verify(
     if ready_file is not None:
         _mark_ready(Path(ready_file), report)
     return report
+
+
+def route_key(route: str, key: str) -> str:
+    """A bucket's key in a report of several routes: ``plain · batch=4``."""
+    return f"{route} · {key}"
 
 
 def served_routes(manifest: Manifest, routes: Sequence[str]) -> Sequence[str]:
