@@ -101,7 +101,7 @@ def default_location(source: str) -> str:
 
     An ``oci://`` reference names a manifest, not a file: its attestation is an OCI 1.1 referrer
     of that manifest (``kiln push`` attaches it), so the location is the reference itself, read
-    by :func:`kiln.artifact.storage.oci.fetch_attestations`.
+    by :func:`kiln.artifact.oci_referrers.fetch_attestations`.
     """
     head, sep, _ = source.partition("://")
     if not sep:
@@ -579,7 +579,7 @@ def _fetch_attestation(location: str, timeout: float) -> bytes:
     folder (not beside DEST: a restore that is a no-op in a read-only folder verifies too).
     For an ``oci://`` location, the attestations attached to it as OCI referrers."""
     if scheme_of(location) == "oci":
-        from kiln.artifact.storage.oci import fetch_attestations
+        from kiln.artifact.oci_referrers import fetch_attestations
 
         try:
             return fetch_attestations(location, Deadline(timeout))

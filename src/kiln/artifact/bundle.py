@@ -14,7 +14,7 @@ is read with the same bounds: the index is a strict, bounded model refused (exit
 variant is read; only regular members it lists, at the listed sizes, are read; the chosen
 variant is unpacked by the artifact extractor, hashed as it is read and checked against the
 index, and its manifest's selection key must be the index's (:func:`check_variant`). For
-``oci://`` a bundle is an OCI image index instead (:mod:`kiln.artifact.storage.oci`).
+``oci://`` a bundle is an OCI image index instead (:mod:`kiln.artifact.oci_layout`).
 Torch-free.
 """
 

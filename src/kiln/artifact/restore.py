@@ -39,6 +39,7 @@ from kiln.artifact.drift import Changes, changes, stamp
 from kiln.artifact.extract import HashingReader, check_stage, extract, require_space
 from kiln.artifact.machine import Machine
 from kiln.artifact.manifest import MANIFEST_NAME, Manifest
+from kiln.artifact.oci_layout import variant_select
 from kiln.artifact.storage import DEFAULT_TIMEOUT, check_timeout, fetch, is_remote, parse_digest
 from kiln.artifact.swap import UNWRITABLE, Lock, clean_stale, dest_path, make_staging, recover, swap
 from kiln.errors import IntegrityError, KilnError, UsageError
@@ -388,7 +389,7 @@ def _fetch_and_unpack(
         expected_sha256=pin,
         on_bytes=lambda n, total: emit(Fetched(bytes=n, total=total)),
         timeout=timeout,
-        select=selector.choose,
+        select=variant_select(selector.choose),
     ) as fetched:
         if trust is not None:  # before a byte is unpacked; extract() re-hashes what it reads
             trust.check_subject(fetched.sha256)

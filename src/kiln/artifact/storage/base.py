@@ -33,9 +33,10 @@ from kiln.files import CHUNK
 from kiln.installs import extra_hint
 
 ByteSink = Callable[[int, int | None], None]  # (bytes so far, total or None)
-# A bundle's variant chooser, (candidates, source) -> choice: kiln.artifact.bundle.Selector.choose.
-# A store whose bundles are not files (an OCI image index) chooses while fetching.
-Select = Callable[[list[Any], str], Any]
+# A bundle's variant chooser for a store whose bundles are not files (an OCI image index), which
+# chooses while fetching: (index document, source) -> (choice, the chosen variant's manifest
+# digest); kiln.artifact.oci_layout.variant_select. The store knows nothing of bundles.
+Select = Callable[[dict[str, Any], str], tuple[Any, str]]
 
 DEFAULT_TIMEOUT = 600.0  # seconds a whole download may take: `kiln restore --timeout`
 IDLE_TIMEOUT = 60.0  # seconds one wait on the network may take (or a quarter of the total)
