@@ -90,6 +90,24 @@ def test_the_circle_finder_finds_a_circle(tmp_path: Path) -> None:
         graphlib.TopologicalSorter(graph).prepare()
 
 
+# What storage may import outside itself: errors, the chunk size, the extras' install hint.
+STORAGE_MAY_IMPORT = {"kiln.errors", "kiln.files", "kiln.installs"}
+
+
+def test_storage_knows_nothing_of_the_layers_above() -> None:
+    """Storage moves bytes (as httpx transports do): kiln's bundles, manifests and attestations
+    are mapped onto a registry above it (kiln.artifact.oci_layout and its neighbours)."""
+    graph = import_graph()
+    storage = {m for m in graph if m.startswith("kiln.artifact.storage")}
+    assert "kiln.artifact.storage.oci" in storage  # read something
+    above = {
+        f"{module} imports {dep}"
+        for module in storage
+        for dep in graph[module] - storage - STORAGE_MAY_IMPORT
+    }
+    assert not above, sorted(above)
+
+
 def test_torch_free_restore_loads_no_compiler_module() -> None:
     """``import kiln.artifact.restore`` (the init container's path) runs ``kiln/__init__`` first:
     it must not pull in the compiler side, which would import torch the moment it is used."""
