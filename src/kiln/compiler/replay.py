@@ -304,19 +304,21 @@ def run(request: ReplayRequest) -> ReplayResult:
     activation = kiln.activate(request.cache, compat="warn", device_index=request.device_index)
     import torch
 
+    from kiln.compiler import ranks
+    from kiln.compiler.devices import setup_device, synchronizer
     from kiln.compiler.dynamo_log import DynamoLog
+    from kiln.compiler.model_import import build_model
     from kiln.compiler.padded import PaddedModel
-    from kiln.compiler.worker import _build_model, _setup_device, _synchronizer
     from kiln.padding import PadGrid
 
     spec = Spec.model_validate(request.spec).with_base(Path(request.spec_base))
-    device = _setup_device(spec, request.device_index)
-    model = _build_model(spec, device)
+    device = setup_device(spec, request.device_index)
+    model = build_model(spec, device, ranks.current())
     served = activation.compile(model, on_miss=request.on_miss)
     replayer = _Replayer(
         spec=spec,
         device=device,
-        sync=_synchronizer(device),
+        sync=synchronizer(device),
         model=model,
         served=served,
         grid=PadGrid.from_manifest(activation.manifest),
@@ -360,8 +362,8 @@ class _Replayer:
 
     def serve(self, sizes: list[int], seed: int) -> RequestRecord:
         from kiln.compiler.counters import compile_counts
+        from kiln.compiler.model_import import make_inputs
         from kiln.compiler.padded import _leaves
-        from kiln.compiler.worker import make_inputs
         from kiln.grid import Bucket
 
         bucket = Bucket(tuple(zip(self.spec.buckets, sizes, strict=True)))
@@ -434,8 +436,8 @@ def _max_abs_diff(served: dict[Any, Any], eager: dict[Any, Any]) -> float:
 
 def main(argv: list[str] | None = None) -> int:
     """``python -m kiln.compiler.replay REQUEST.json OUTCOME.json``; exit codes as kiln's."""
+    from kiln.compiler.failures import Incompatible, SpecProblem
     from kiln.compiler.launch import ignore_numpy_warning
-    from kiln.compiler.worker import _Incompatible, _SpecProblem
 
     args = sys.argv[1:] if argv is None else argv
     ignore_numpy_warning()
@@ -443,10 +445,10 @@ def main(argv: list[str] | None = None) -> int:
     code = 0
     try:
         outcome = ReplayOutcome(result=run(request))
-    except _SpecProblem as exc:
+    except SpecProblem as exc:
         outcome = ReplayOutcome(failure=WorkerFailure(kind="spec", key=exc.key, message=str(exc)))
         code = 2
-    except (_Incompatible, IncompatibleError) as exc:
+    except (Incompatible, IncompatibleError) as exc:
         traceback.print_exc()
         outcome = ReplayOutcome(failure=WorkerFailure(kind="incompatible", message=str(exc)))
         code = 5

@@ -1,0 +1,134 @@
+"""Measuring a worker pass: timed calls (:class:`Forward`), what each step compiled
+(:class:`Meter`: torch's counters, Dynamo's log, precompiled misses, files written) and where
+start-up went (:class:`Phases`). The same measures serve bake, verify and bench, so "what bake
+compiled" and "what verify hit" are counted the same way.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, TypeVar
+
+from kiln.artifact.manifest import CompileCounts, GraphBreak
+from kiln.compiler.capture import snapshot
+from kiln.compiler.counters import CompileCounters, compile_counts
+from kiln.compiler.dynamo_log import DynamoLog
+from kiln.compiler.writes import Snapshot, Watch
+
+if TYPE_CHECKING:
+    from kiln.compiler.precompile import PrecompiledForward
+
+_T = TypeVar("_T")
+
+
+class Phases:
+    """Start-up, phase by phase: where a restored process spends the time before its first
+    call (bench shows it; the first one, since process start, includes kiln's own imports)."""
+
+    def __init__(self, start: float) -> None:
+        self.last = start  # the process's start: the first phase includes kiln's own imports
+        self.phases: dict[str, float] = {}
+
+    def mark(self, name: str) -> float:
+        now = time.time()
+        self.phases[name] = round(now - self.last, 4)
+        self.last = now
+        return self.phases[name]
+
+
+@dataclass
+class Forward:
+    """The callable a pass times: the compiled model, precompiled forwards, or the eager model."""
+
+    fn: Callable[..., Any]
+    call_kwargs: dict[str, Any]
+    sync: Callable[[], None]
+    precompiled: PrecompiledForward | None = None
+    building: bool = False  # a precompile bake: each bucket compiles ahead of its first call
+    load_s: float | None = None  # time to load precompiled forwards
+    serves_frames: bool = False  # Dynamo's saved frames loaded: a traced frame is a miss
+    aoti: Any = None  # route: aoti: the AotiBuilder (bake) or AotiModel (serve) behind fn
+
+    def timed(self, inputs: dict[str, Any]) -> float:
+        self.sync()
+        t0 = time.perf_counter()
+        self.fn(**inputs, **self.call_kwargs)
+        self.sync()
+        return time.perf_counter() - t0
+
+    def first(self, inputs: dict[str, Any]) -> float:
+        """A bucket's first call; a precompile bake counts the ahead-of-time compile in it."""
+        if not self.building:
+            return self.timed(inputs)
+        builder = self.precompiled or self.aoti
+        assert builder is not None
+        t0 = time.perf_counter()
+        builder.add(**inputs, **self.call_kwargs)
+        self.timed(inputs)
+        return time.perf_counter() - t0
+
+    @property
+    def misses(self) -> int:
+        """Calls no precompiled forward (or AOTInductor package) accepted so far."""
+        served = self.precompiled or self.aoti
+        return served.misses if served is not None else 0
+
+
+class Meter:
+    """Measures what one step compiled: the difference in torch's counters, what Dynamo logged
+    (recompiles, graph breaks, frames), the precompiled-forward misses, and the files the step
+    added to the cache root."""
+
+    def __init__(
+        self,
+        cache_root: str | None,
+        dynamo: DynamoLog,
+        forward: Forward,
+        watch: Watch | None = None,
+        started: Snapshot | None = None,
+    ) -> None:
+        self.root = Path(cache_root) if cache_root else None
+        self.dynamo, self.forward = dynamo, forward
+        self.watch, self.started = watch, started
+        self.breaks: list[GraphBreak] = []  # every bucket's, merged into the result
+
+    def _files(self) -> set[str]:
+        return snapshot(self.root) if self.root else set()
+
+    def _written(self, step: Callable[[], _T]) -> tuple[_T, list[str]]:
+        """``step``'s value and what it wrote where a served process must not (the first
+        step also owns what start-up wrote: the import, the model build, the compile call)."""
+        assert self.watch is not None
+        before = self.started or self.watch.snapshot()
+        self.started = None
+        value = step()
+        return value, self.watch.written(before, self.watch.snapshot())
+
+    def measure(self, key: str, step: Callable[[], _T]) -> tuple[_T, CompileCounts]:
+        before = CompileCounters.read()
+        files = self._files() if self.watch is None else set()
+        mark, missed = self.dynamo.mark(), self.forward.misses
+        if self.watch is not None:
+            value, new_files = self._written(step)
+        else:
+            value = step()
+            new_files = sorted(self._files() - files)
+        self.breaks += [
+            b.model_copy(update={"buckets": [key]}) for b in self.dynamo.breaks_since(mark)
+        ]
+        traced = self.dynamo.frames_since(mark)
+        misses = self.forward.misses - missed
+        if self.forward.serves_frames:  # the saved frames did not cover these
+            misses += len(traced)
+        compiles = compile_counts(
+            CompileCounters.read() - before,
+            new_files,
+            served=self.watch is not None,
+            recompile_reasons=self.dynamo.recompiles_since(mark),
+            precompile_misses=misses,
+            frames=traced,
+        )
+        return value, compiles
