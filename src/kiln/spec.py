@@ -336,6 +336,17 @@ class Spec(_Strict):
 
     @model_validator(mode="after")
     def _check_axes(self) -> Spec:
+        """Every cross-field rule, in the order a spec's errors are reported (the first one
+        found is the one named)."""
+        self._check_buckets()
+        self._check_inputs()
+        self._check_pads()
+        self._check_references()
+        self._check_distributed()
+        return self
+
+    def _check_buckets(self) -> None:
+        """Axis names, sizes, and the grid's size."""
         points = 1
         for axis, sizes in self.buckets.items():
             if not re.match(r"^[A-Za-z_][A-Za-z0-9_]*$", axis):
@@ -349,6 +360,9 @@ class Spec(_Strict):
                 raise LocatedValueError(
                     ("buckets", axis), f"the grid has more than {MAX_BUCKETS} buckets"
                 )
+
+    def _check_inputs(self) -> None:
+        """Unique input names; each shape's axes declared, its sizes and elements bounded."""
         names: dict[str, int] = {}
         for i, inp in enumerate(self.inputs):
             if inp.name in names:
@@ -374,7 +388,11 @@ class Spec(_Strict):
                     f"{elements} elements at the largest bucket; one input may have at most "
                     f"{MAX_INPUT_ELEMENTS}",
                 )
-        self._check_pads()
+
+    def _check_references(self) -> None:
+        """Names the other sections use: every axis used by an input, call_kwargs that are not
+        inputs, exclude's axes declared, env keys allowed."""
+        names = {inp.name for inp in self.inputs}
         used = {dim for inp in self.inputs for dim in inp.shape if isinstance(dim, str)}
         for axis in self.buckets:
             if axis not in used:  # it would only repeat every bucket, compiling nothing new
@@ -395,8 +413,6 @@ class Spec(_Strict):
             problem = env_key_problem(key)
             if problem:
                 raise LocatedValueError(("env", key), problem)
-        self._check_distributed()
-        return self
 
     def _check_pads(self) -> None:
         """A declared ``pad`` must be able to pad something: an input whose every axis is also

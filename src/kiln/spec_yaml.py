@@ -149,21 +149,9 @@ class _Composer:
 
     def node(self, depth: int) -> tuple[yaml.Node, int]:
         """The next node and its height (levels of nesting, aliases expanded)."""
-        loader = self.loader
-        event = loader.peek_event()
+        event = self.loader.peek_event()
         if isinstance(event, yaml.AliasEvent):
-            loader.get_event()
-            if event.anchor not in self.anchors:
-                raise self.error(f"undefined alias *{event.anchor}", event.start_mark)
-            target, size, height = self.anchors[event.anchor]
-            if size is None:
-                raise self.error(
-                    f"recursive alias *{event.anchor} (used inside its own anchor)",
-                    event.start_mark,
-                )
-            self.count(size, event.start_mark)
-            self.check_depth(depth + height - 1, event.start_mark)
-            return target, height
+            return self.alias(depth)
         self.check_depth(depth, event.start_mark)
         anchor = event.anchor
         if anchor is not None and anchor in self.anchors:
@@ -172,11 +160,36 @@ class _Composer:
         self.count(1, event.start_mark)
         if isinstance(event, yaml.ScalarEvent):
             node: yaml.Node = self.scalar()
-            height = 1
             if anchor is not None:
                 self.anchors[anchor] = (node, 1, 1)
-            return node, height
-        loader.get_event()
+            return node, 1
+        collection, height = self.collection(depth, anchor)
+        if anchor is not None:
+            self.anchors[anchor] = (collection, self.expanded - start, height)
+        return collection, height
+
+    def alias(self, depth: int) -> tuple[yaml.Node, int]:
+        """An alias: its anchor's node, counted at its expanded size and height."""
+        event = self.loader.get_event()
+        if event.anchor not in self.anchors:
+            raise self.error(f"undefined alias *{event.anchor}", event.start_mark)
+        target, size, height = self.anchors[event.anchor]
+        if size is None:
+            raise self.error(
+                f"recursive alias *{event.anchor} (used inside its own anchor)",
+                event.start_mark,
+            )
+        self.count(size, event.start_mark)
+        self.check_depth(depth + height - 1, event.start_mark)
+        return target, height
+
+    def collection(
+        self, depth: int, anchor: str | None
+    ) -> tuple[yaml.SequenceNode | yaml.MappingNode, int]:
+        """A sequence or mapping and its height; while it is open, its anchor names it with
+        no size yet, so an alias to it inside itself is refused."""
+        loader = self.loader
+        event = loader.get_event()
         kind = "seq" if isinstance(event, yaml.SequenceStartEvent) else "map"
         if event.tag not in (None, "!", _TAG + kind):
             raise self.error(
@@ -202,8 +215,6 @@ class _Composer:
                 collection.value.append((key, item))
             height = max(height, h + 1)
         collection.end_mark = loader.get_event().end_mark
-        if anchor is not None:
-            self.anchors[anchor] = (collection, self.expanded - start, height)
         return collection, height
 
     def scalar(self) -> yaml.ScalarNode:

@@ -97,28 +97,11 @@ def _aoti_forward(
     """route: aoti: build the packages ahead of each bucket's first call (bake), or load the
     restored ones as ``kiln.activate().compile()`` does (serve); either way calls go through
     :class:`~kiln.compiler.aoti_serve.AotiModel`. Serving imports neither Dynamo nor Inductor."""
-    from kiln.compiler import aoti_serve
-
     call_kwargs = dict(spec.model.call_kwargs)
     index = request.device_index if spec.model.device == "cuda" else 0
     if request.aoti_load:
-        from kiln.artifact.archive import read_manifest
-
-        folder = Path(request.aoti_load)
-        manifest = read_manifest(folder)
-        rank = launched.rank if launched is not None and manifest.distributed is not None else None
-        aoti = aoti_serve.served_packages(manifest, rank)
-        t0 = time.time()
-        try:
-            # A miss is counted as one (verify fails on it) rather than raised mid-pass.
-            served = aoti_serve.AotiModel(
-                model, aoti, rank_dir(folder, rank), device_index=index, on_miss="eager"
-            )
-        except aoti_serve.WeightsMismatchError as exc:
-            raise SpecProblem("model", str(exc)) from exc
-        forward = Forward(served, call_kwargs, sync, aoti=served)
-        forward.load_s = time.time() - t0
-        return forward
+        return _aoti_served(Path(request.aoti_load), model, call_kwargs, sync, index, launched)
+    from kiln.compiler import aoti_serve
     from kiln.compiler.aoti_bake import AotiBuilder
 
     build = request.aoti_build
@@ -142,6 +125,35 @@ def _aoti_forward(
         return builder.served(*args, **kwargs)
 
     return Forward(served, call_kwargs, sync, building=True, aoti=builder)
+
+
+def _aoti_served(
+    folder: Path,
+    model: Any,
+    call_kwargs: dict[str, Any],
+    sync: Callable[[], None],
+    index: int,
+    launched: Rank | None,
+) -> Forward:
+    """The restored packages in ``folder`` (a rank's own, for a distributed artifact), loaded
+    and timed as a server on the route loads them."""
+    from kiln.artifact.archive import read_manifest
+    from kiln.compiler import aoti_serve
+
+    manifest = read_manifest(folder)
+    rank = launched.rank if launched is not None and manifest.distributed is not None else None
+    aoti = aoti_serve.served_packages(manifest, rank)
+    t0 = time.time()
+    try:
+        # A miss is counted as one (verify fails on it) rather than raised mid-pass.
+        served = aoti_serve.AotiModel(
+            model, aoti, rank_dir(folder, rank), device_index=index, on_miss="eager"
+        )
+    except aoti_serve.WeightsMismatchError as exc:
+        raise SpecProblem("model", str(exc)) from exc
+    forward = Forward(served, call_kwargs, sync, aoti=served)
+    forward.load_s = time.time() - t0
+    return forward
 
 
 def _framed(request: WorkerRequest, model: Any, kwargs: dict[str, Any]) -> Any:

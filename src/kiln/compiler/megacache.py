@@ -47,3 +47,13 @@ def _cache_info_counts(info: Any) -> dict[str, int]:
     if isinstance(artifacts, dict):
         return {k: len(v) for k, v in artifacts.items()}
     return {k: len(v) for k, v in vars(info).items() if isinstance(v, list)}
+
+
+def both(loaded: MegacacheInfo, saved: MegacacheInfo) -> MegacacheInfo:
+    """The pass's record: whether a blob was loaded and saved, and the saved blob's entries
+    (else the loaded one's)."""
+    return MegacacheInfo(
+        loaded=loaded.loaded,
+        saved=saved.saved,
+        entries=saved.entries if saved.saved else loaded.entries,
+    )

@@ -44,7 +44,7 @@ from kiln.compiler.failures import Incompatible, SpecProblem
 from kiln.compiler.forwards import make_forward
 from kiln.compiler.launch import ignore_numpy_warning
 from kiln.compiler.measure import Forward, Meter, Phases
-from kiln.compiler.megacache import load_megacache, save_caches
+from kiln.compiler.megacache import both, load_megacache, save_caches
 from kiln.compiler.model_import import build_model, make_inputs
 from kiln.compiler.protocol import (
     MegacacheInfo,
@@ -78,14 +78,30 @@ def _emit(event: WorkerEvent) -> None:
     sys.stdout.flush()
 
 
-def run(request: WorkerRequest) -> WorkerResult:
-    """One grid pass as ``request`` asks: the model built, then every bucket's first call, then
-    its warm calls, each bucket measured; then the caches saved and the environment recorded."""
-    clock = Phases(_START)
+@dataclass
+class _Ready:
+    """What start-up made ready for the first call, and when."""
+
+    spec: Spec
+    buckets: dict[str, Bucket]  # the whole grid, in grid order (seeds follow it)
+    device: Any
+    joined: bool  # a process group joined (distributed specs): left at the end
+    loaded: MegacacheInfo
+    model: Any
+    forward: Forward
+    meter: Meter
+    torch_import_s: float
+    model_ready: float
+
+
+def _start_up(request: WorkerRequest, clock: Phases) -> _Ready:
+    """Everything before the first call, each step a phase of ``clock``: torch imported (or
+    ``kiln.activate()``), the device and process group, a Mega-Cache loaded, Dynamo watched,
+    Inductor prepared, the model built and made callable as ``request`` asks."""
     watch = _watch(request)
     started = watch.snapshot() if watch else None  # before torch: its import may write too
     activation = _activate(request)  # a server calling kiln.activate() does so first
-    import torch
+    import torch  # noqa: F401 - timed here, as a server's own import
 
     torch_import_s = clock.mark("kiln.activate()" if activation else "import torch")
     spec = request.load_spec()
@@ -104,16 +120,24 @@ def run(request: WorkerRequest) -> WorkerResult:
     clock.mark("model build")
     forward = make_forward(request, spec, model, synchronizer(device), activation, launched=_RANK)
     clock.mark(_setup_phase(forward))
-    model_ready = time.time()
-    _emit(WorkerStarted(buckets=len(request.order), torch_import_s=torch_import_s))
-    grid = _Grid(
-        spec=spec,
-        device=device,
-        seeds={key: request.input_seed + i * _SEED_STRIDE for i, key in enumerate(buckets)},
-        forward=forward,
-        meter=Meter(request.cache_root, dynamo, forward, watch, started),
+    meter = Meter(request.cache_root, dynamo, forward, watch, started)
+    return _Ready(
+        spec, buckets, device, joined, loaded, model, forward, meter, torch_import_s, time.time()
     )
-    order = [buckets[k] for k in request.order]
+
+
+def run(request: WorkerRequest) -> WorkerResult:
+    """One grid pass as ``request`` asks: the model built, then every bucket's first call, then
+    its warm calls, each bucket measured; then the caches saved and the environment recorded."""
+    clock = Phases(_START)
+    ready = _start_up(request, clock)
+    spec, forward = ready.spec, ready.forward
+    import torch
+
+    _emit(WorkerStarted(buckets=len(request.order), torch_import_s=ready.torch_import_s))
+    seeds = {key: request.input_seed + i * _SEED_STRIDE for i, key in enumerate(ready.buckets)}
+    grid = _Grid(spec, ready.device, seeds, forward, ready.meter)
+    order = [ready.buckets[k] for k in request.order]
     with torch.inference_mode():
         firsts = grid.first_pass(order)
         first_pass_done = time.time()
@@ -122,21 +146,17 @@ def run(request: WorkerRequest) -> WorkerResult:
     warm_done = time.time()
     saved = save_caches(request, forward)
     building = request.aoti_build is not None
-    ranks.leave(joined)
+    ranks.leave(ready.joined)
     return WorkerResult(
         buckets=[_bucket_stats(b, firsts[b.key], warms[b.key]) for b in order],
         process_start=_START,
-        torch_import_s=torch_import_s,
-        model_ready=model_ready,
+        torch_import_s=ready.torch_import_s,
+        model_ready=ready.model_ready,
         precompile_load_s=forward.load_s,
-        forward_module=frames.module_of(model),
+        forward_module=frames.module_of(ready.model),
         first_pass_done=first_pass_done,
         warm_done=warm_done,
-        megacache=MegacacheInfo(
-            loaded=loaded.loaded,
-            saved=saved.saved,
-            entries=saved.entries if saved.saved else loaded.entries,
-        ),
+        megacache=both(ready.loaded, saved),
         fingerprint=_fingerprint(request, spec, lean=forward.aoti is not None and not building),
         graph_breaks=merge_breaks(_relative(grid.meter.breaks, spec), MAX_GRAPH_BREAKS),
         imported_sources=bytecode.imported_sources() if request.report_imports else [],

@@ -110,11 +110,7 @@ class OciStore(Store):
                 raise UsageError(f"{url}: is a kiln bundle (an OCI image index): kiln restore it")
             choice, entry = select(doc, url)
             release = digest_of(body).removeprefix("sha256:")
-            body = get_json_bytes(
-                reg, container.manifest_url(entry), deadline, url, OCI_MANIFEST_TYPE
-            )
-            if digest_of(body) != entry:
-                raise IntegrityError(f"{url}: registry served variant {entry} with other bytes")
+            body = _chosen_manifest(reg, container, entry, deadline, url)
         layer = _kiln_layer(body, url)
         blob_url = f"{reg.prefix}://{container.get_blob_url(layer['digest'])}"
         blob = check_response(
@@ -125,6 +121,14 @@ class OciStore(Store):
         if "sha256:" + got.sha256 != layer["digest"]:
             raise IntegrityError(f"{url}: layer digest mismatch")
         return got, choice, release
+
+
+def _chosen_manifest(reg: Any, container: Any, digest: str, deadline: Deadline, url: str) -> bytes:
+    """The image manifest an index entry names, its bytes checked against the entry's digest."""
+    body = get_json_bytes(reg, container.manifest_url(digest), deadline, url, OCI_MANIFEST_TYPE)
+    if digest_of(body) != digest:
+        raise IntegrityError(f"{url}: registry served variant {digest} with other bytes")
+    return body
 
 
 def canonical(doc: dict[str, Any]) -> bytes:
