@@ -18,6 +18,7 @@ from typing import Any
 
 from kiln.artifact.archive import read_manifest
 from kiln.artifact.bundle import BundleIndex, read_head, split_bundle
+from kiln.artifact.manifest import Manifest
 from kiln.artifact.oci_layout import platform_of, variant_annotations
 from kiln.artifact.oci_referrers import attach
 from kiln.artifact.storage.base import PushResult, need_extra
@@ -86,7 +87,7 @@ def _push_artifact(
     container: Any,
     src: Path,
     url: str,
-    kiln_manifest: Any,
+    kiln_manifest: Manifest,
     *,
     tag: str | None,
     annotations: dict[str, str] | None = None,
