@@ -12,11 +12,12 @@ from __future__ import annotations
 
 import os
 import stat
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from kiln.artifact.archive import sha256_file
-from kiln.artifact.manifest import Manifest
+from kiln.artifact.manifest import FileEntry, Manifest
 from kiln.serving import ENV_NAME, LOCKS_TARGET, MANIFEST_NAME, STATE_NAME, lock_links
 
 
@@ -48,11 +49,19 @@ def stamp(folder: Path, manifest: Manifest) -> int:
     return newest
 
 
-def changes(dest: Path, manifest: Manifest, stamp_ns: int | None) -> Changes:
+def changes(
+    dest: Path,
+    manifest: Manifest,
+    stamp_ns: int | None,
+    relocated: Iterable[FileEntry] = (),
+) -> Changes:
     """How ``dest`` differs from ``manifest``. Besides the manifest's files, DEST holds only
     restore's own (manifest, env file, state, the lock links to :data:`LOCKS_TARGET`); any
-    other file is an addition. ``stamp_ns`` None (an install by an older kiln): sizes only."""
+    other file is an addition. ``stamp_ns`` None (an install by an older kiln): sizes only.
+    ``relocated``: the files restore rewrote for DEST (:mod:`kiln.artifact.relocate`), judged
+    by what restore wrote rather than by the manifest."""
     expected = {entry.path: entry for entry in manifest.entries()}
+    expected.update((entry.path, entry) for entry in relocated if entry.path in expected)
     own = {MANIFEST_NAME, ENV_NAME, STATE_NAME}
     links = set(lock_links(manifest.world_size))
     added: list[str] = []

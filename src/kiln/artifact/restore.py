@@ -38,8 +38,9 @@ from kiln.artifact.bundle import Candidate, Choice, Selector, check_variant, key
 from kiln.artifact.drift import Changes, changes, stamp
 from kiln.artifact.extract import HashingReader, check_stage, extract, require_space
 from kiln.artifact.machine import Machine
-from kiln.artifact.manifest import MANIFEST_NAME, Manifest
+from kiln.artifact.manifest import MANIFEST_NAME, FileEntry, Manifest
 from kiln.artifact.oci_layout import variant_select
+from kiln.artifact.relocate import relocate_groups
 from kiln.artifact.storage import DEFAULT_TIMEOUT, check_timeout, fetch, is_remote, parse_digest
 from kiln.artifact.swap import UNWRITABLE, Lock, clean_stale, dest_path, make_staging, recover, swap
 from kiln.errors import IntegrityError, KilnError, UsageError
@@ -98,11 +99,13 @@ class Installed:
     bundle_sha256: str | None = None
     variant: str | None = None
     stamp_ns: int | None = None  # the install's newest file change (kiln.artifact.drift)
+    # Files restore rewrote for DEST (kiln.artifact.relocate), as they were installed.
+    relocated: tuple[FileEntry, ...] = ()
 
     @functools.cached_property
     def changes(self) -> Changes:
         """How DEST differs from what was installed there (usually: not at all)."""
-        return changes(self.dest, self.manifest, self.stamp_ns)
+        return changes(self.dest, self.manifest, self.stamp_ns, self.relocated)
 
     def satisfies(self, digest: str, selector: Selector) -> tuple[bool, Choice | None]:
         """Whether restoring the artifact or bundle ``digest`` here changes nothing: the one
@@ -163,6 +166,10 @@ def read_installed(dest: Path) -> Installed | None:
         (bundle.get("sha256"), bundle.get("variant")) if isinstance(bundle, dict) else (None, None)
     )
     stamp_ns = state.get("stamp_ns")
+    try:
+        relocated = tuple(FileEntry.model_validate(e) for e in state.get("relocated") or ())
+    except (ValueError, TypeError):
+        return None  # a state file restore did not write: no complete install
     return Installed(
         dest,
         digest,
@@ -170,6 +177,7 @@ def read_installed(dest: Path) -> Installed | None:
         sha if isinstance(sha, str) else None,
         variant if isinstance(variant, str) else None,
         stamp_ns if isinstance(stamp_ns, int) and not isinstance(stamp_ns, bool) else None,
+        relocated,
     )
 
 
@@ -459,8 +467,13 @@ def _complete(tree: Path, dest: Path, manifest: Manifest, state: dict[str, Any])
         (tree / link).parent.mkdir(parents=True, exist_ok=True)
         (tree / link).symlink_to(LOCKS_TARGET)
     check_stage(tree, dest, manifest)
+    moved = relocate_groups(tree, dest, manifest.entries())
     # Stamped last: a later repeat restore hashes only the files changed after this.
-    state = {**state, "stamp_ns": stamp(tree, manifest)}
+    state = {
+        **state,
+        "stamp_ns": stamp(tree, manifest),
+        "relocated": [entry.model_dump(mode="json") for entry in moved],
+    }
     (tree / STATE_NAME).write_text(json.dumps(state))
 
 
