@@ -168,13 +168,13 @@ def test_capability_must_match_when_known(tmp_path: Path, bundle: Path) -> None:
 def test_torch_version_picks_between_builds(tmp_path: Path, variants) -> None:
     old = variant_archive(tmp_path / "old.kiln.tar.zst", H200_OLD_TORCH)
     two = write_bundle([variants["h200"], old], tmp_path / "two.kiln.tar.zst").path
-    with pytest.raises(UsageError, match=r"2 variants match .*--torch-version or --variant"):
+    with pytest.raises(UsageError, match=r"2 variants match .*; say which with torch_version or variant$"):
         restore(two, tmp_path / "c", machine=H200)
     for given, want in (("2.11.0+cu130", "cu130"), ("2.11.0", "cu130"), ("2.10.0", "cu128")):
         result = restore(two, tmp_path / given, machine=H200, torch_version=given)
         assert result.choice is not None and result.choice.variant.name.endswith(want)
-        assert f"torch {given} (--torch-version)" in result.choice.reason
-    with pytest.raises(IncompatibleError, match=re.escape("torch 2.11.0+cu128 (--torch-version)")):
+        assert f"torch {given} (torch_version)" in result.choice.reason
+    with pytest.raises(IncompatibleError, match=re.escape("torch 2.11.0+cu128 (torch_version)")):
         restore(two, tmp_path / "c", machine=H200, torch_version="2.11.0+cu128")
 
 
@@ -182,7 +182,7 @@ def test_variant_flag_overrides_and_unknown_is_exit_2(tmp_path: Path, bundle: Pa
     result = restore(bundle, tmp_path / "c", machine=CPU, variant="h200-sm90-torch2.11.0-cu130")
     assert (
         result.choice is not None
-        and result.choice.reason == "--variant h200-sm90-torch2.11.0-cu130"
+        and result.choice.reason == "variant=h200-sm90-torch2.11.0-cu130"
     )
     with pytest.raises(UsageError, match="no variant 'nope'"):
         restore(bundle, tmp_path / "d", machine=CPU, variant="nope")

@@ -186,7 +186,7 @@ def test_frames_baked_for_another_module_fall_back_to_torch_compile(tmp_path: Pa
 def test_precompile_with_breaks_is_unsharded_for_now(tmp_path: Path) -> None:
     """torch writes all of a forward's frames to one file: two shards would both write it."""
     spec = load_spec(_spec(tmp_path))
-    with pytest.raises(UsageError, match=r"--shard 0/2: precompile: true with graph breaks"):
+    with pytest.raises(UsageError, match=r"^shard=0/2: precompile: true with graph breaks"):
         shard_grid(spec, expand(spec), Shard(0, 2))
 
 

@@ -187,7 +187,7 @@ def test_remote_fetches_keep_the_deadline(
         if event.event == "fetched":
             time.sleep(1.1)
 
-    with pytest.raises(KilnError, match=r"did not finish within --timeout 1s"):
+    with pytest.raises(KilnError, match=r"did not finish within timeout=1s"):
         kiln.restore(source, tmp_path / "c", timeout=1, on_event=stall)
     assert not (tmp_path / "c").exists()
 

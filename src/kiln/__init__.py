@@ -27,7 +27,7 @@ if TYPE_CHECKING:
     from kiln.artifact.publish import push
     from kiln.artifact.restore import RestoreResult, restore
     from kiln.compiler.activate import activate
-    from kiln.compiler.bake import BakeResult, bake
+    from kiln.compiler.bake import BakeResult, FollowerResult, bake
     from kiln.compiler.bench import bench
     from kiln.compiler.check import check
     from kiln.compiler.fingerprint import fingerprint
@@ -47,6 +47,7 @@ _HOMES = {
     "activate": "kiln.compiler.activate",
     "BakeResult": "kiln.compiler.bake",
     "bake": "kiln.compiler.bake",
+    "FollowerResult": "kiln.compiler.bake",
     "bench": "kiln.compiler.bench",
     "check": "kiln.compiler.check",
     "fingerprint": "kiln.compiler.fingerprint",
@@ -56,6 +57,7 @@ _HOMES = {
 
 __all__ = [
     "BakeResult",
+    "FollowerResult",
     "MergeResult",
     "RestoreResult",
     "__version__",

@@ -15,7 +15,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from enum import Enum
 
-from kiln.errors import UsageError
+from kiln.errors import ParameterError, UsageError
 from kiln.spec import Spec
 
 
@@ -110,10 +110,15 @@ class Shard:
 
     def __post_init__(self) -> None:
         if self.count < 1:
-            raise UsageError(f"--shard {self}: the shard count must be at least 1")
+            raise ParameterError(
+                "shard", self, "the shard count must be at least 1", shown=str(self)
+            )
         if not 0 <= self.index < self.count:
-            raise UsageError(
-                f"--shard {self}: the index counts from 0, so it is at most {self.count - 1}"
+            raise ParameterError(
+                "shard",
+                self,
+                f"the index counts from 0, so it is at most {self.count - 1}",
+                shown=str(self),
             )
 
     def __str__(self) -> str:
@@ -129,7 +134,7 @@ class Shard:
         """``I/N`` as the command line gives it; anything else is exit 2, one line."""
         match = SHARD_PATTERN.match(text.strip())
         if not match:
-            raise UsageError(f"--shard {text!r}: expected INDEX/COUNT, e.g. 0/3 (0-based)")
+            raise ParameterError("shard", text, "expected INDEX/COUNT, e.g. 0/3 (0-based)")
         return cls(int(match.group(1)), int(match.group(2)))
 
     @classmethod
@@ -191,15 +196,20 @@ def shard_grid(spec: Spec, buckets: list[Bucket], shard: Shard) -> list[Bucket]:
     shards' ranks up.
     """
     if spec.compile.dynamic is not False:
-        raise UsageError(
-            f"--shard {shard}: sharding needs compile.dynamic: false (this spec has "
-            f"{spec.compile.dynamic}): with dynamic shapes a process's graphs depend on every "
-            "shape it saw"
+        raise ParameterError(
+            "shard",
+            shard,
+            f"sharding needs compile.dynamic: false (this spec has {spec.compile.dynamic}): "
+            "with dynamic shapes a process's graphs depend on every shape it saw",
+            shown=str(shard),
         )
     if spec.compile.precompile_route == "frames":
-        raise UsageError(
-            f"--shard {shard}: precompile: true with graph breaks is unsharded for now: torch "
-            "saves all of a forward's frames in one file, which every shard would write"
+        raise ParameterError(
+            "shard",
+            shard,
+            "precompile: true with graph breaks is unsharded for now: torch saves all of a "
+            "forward's frames in one file, which every shard would write",
+            shown=str(shard),
         )
     return shard_buckets(buckets, shard)
 

@@ -33,7 +33,7 @@ from typing import Any
 import yaml
 
 from kiln.artifact.manifest import Manifest
-from kiln.errors import SpecError, UsageError
+from kiln.errors import Param, ParameterError, SpecError, UsageError, Worded
 from kiln.padding import PadGrid, work
 from kiln.spec import MAX_BUCKETS, Spec, parse_spec
 from kiln.traffic import Traffic
@@ -237,16 +237,24 @@ def plan(
     for axis, w in weights.items():
         if axis not in spec.buckets:
             raise UsageError(
-                f"--weight {axis}: not an axis of {spec.name} ({', '.join(spec.buckets)})"
+                Worded(
+                    Param("weights", key=axis),
+                    f": not an axis of {spec.name} ({', '.join(spec.buckets)})",
+                )
             )
         if not 0 < w <= 8:
-            raise UsageError(f"--weight {axis}={w:g}: a weight is above 0 and at most 8")
+            raise ParameterError(
+                "weights", w, "a weight is above 0 and at most 8", shown=f"{w:g}", key=axis
+            )
     if not 0 < coverage <= 1:
-        raise UsageError(f"--coverage {coverage:g}: a share above 0 and at most 1")
-    if budget_s is not None and bake is None:
+        raise ParameterError(
+            "coverage", coverage, "a share above 0 and at most 1", shown=f"{coverage:g}"
+        )
+    if budget_s is not None and bake is None:  # the CLI says it as --budget-s and --artifact
         raise UsageError(
-            "--budget-s needs --artifact (an artifact or restored folder of this spec) to "
-            "estimate each bucket's bake time"
+            Worded(
+                Param("budget_s"), " needs ", Param("bake"), " to estimate each bucket's bake time"
+            )
         )
     padded = [a for a in spec.paddable_axes() if a in traffic.axes]
     if not padded:
@@ -257,13 +265,15 @@ def plan(
     current = PadGrid.from_spec(spec)
     cap = max_buckets if max_buckets is not None else len(current.points)
     if not 1 <= cap <= MAX_BUCKETS:
-        raise UsageError(f"--max-buckets {cap}: from 1 to {MAX_BUCKETS}")
+        raise ParameterError("max_buckets", cap, f"from 1 to {MAX_BUCKETS}")
     fixed = {a: sorted(spec.buckets[a]) for a in spec.buckets if a not in padded}
     cap_padded = cap // math.prod(len(s) for s in fixed.values()) if fixed else cap
     if cap_padded < 1:
-        raise UsageError(
-            f"--max-buckets {cap}: the axes that are not padded already make "
-            f"{math.prod(len(s) for s in fixed.values())} buckets"
+        raise ParameterError(
+            "max_buckets",
+            cap,
+            f"the axes that are not padded already make "
+            f"{math.prod(len(s) for s in fixed.values())} buckets",
         )
     requests = _requests(traffic, fixed, padded)
     if not requests:
@@ -356,9 +366,11 @@ def _search(
         limit -= 1
     if best is None:
         one = [[max(s[i] for s in held)] for i in range(len(axes))]
-        raise UsageError(
-            f"--budget-s {budget_s:g}: not even one bucket fits (estimated {bake_s(one):.0f} s "
-            f"for {_shown(axes, one)})"
+        raise ParameterError(
+            "budget_s",
+            budget_s,
+            f"not even one bucket fits (estimated {bake_s(one):.0f} s for {_shown(axes, one)})",
+            shown=f"{budget_s:g}",
         )
     method = "dynamic programming (exact)" if len(axes) == 1 else "coordinate descent"
     return dict(zip(axes, best[1], strict=True)), method

@@ -60,7 +60,7 @@ from kiln.artifact.keys import (
 from kiln.artifact.manifest import Manifest
 from kiln.artifact.storage import DEFAULT_TIMEOUT, Deadline, read_small, scheme_of
 from kiln.artifact.storage.base import ATTESTATION_SUFFIX, json_object
-from kiln.errors import IntegrityError, KilnError, NotFoundError, UsageError
+from kiln.errors import IntegrityError, KilnError, NotFoundError, Param, UsageError, Worded
 from kiln.files import atomic_write
 
 PAYLOAD_TYPE = "application/vnd.in-toto+json"
@@ -532,8 +532,11 @@ def _verify_envelope(doc: Mapping[str, Any], keys: list[VerifyKey]) -> Verified:
     hints = sorted({hint or "(no keyid)" for hint, _ in parsed.signatures})
     trusted = ", ".join(k.keyid for k in keys)
     raise IntegrityError(
-        f"signature does not verify with any --verify-key (signed as {', '.join(hints)}; "
-        f"trusted: {trusted}): wrong key or tampered envelope"
+        Worded(
+            "signature does not verify with any ",
+            Param("verify_keys"),
+            f" (signed as {', '.join(hints)}; trusted: {trusted}): wrong key or tampered envelope",
+        )
     )
 
 
@@ -585,15 +588,22 @@ def _fetch_attestation(location: str, timeout: float) -> bytes:
             return fetch_attestations(location, Deadline(timeout))
         except NotFoundError:
             raise IntegrityError(
-                f"{location}: no attestation attached in the registry; --verify-key needs the "
-                "artifact's signed attestation (kiln sign, then kiln push)"
+                Worded(
+                    f"{location}: no attestation attached in the registry; ",
+                    Param("verify_keys"),
+                    " needs the artifact's signed attestation (kiln sign, then kiln push)",
+                )
             ) from None
     try:
         return read_small(location, MAX_ATTESTATION_BYTES, timeout=timeout)
     except NotFoundError:
         raise IntegrityError(
-            f"{location}: no attestation there; --verify-key needs the artifact's signed "
-            "attestation (kiln sign), beside it or named by --attestation"
+            Worded(
+                f"{location}: no attestation there; ",
+                Param("verify_keys"),
+                " needs the artifact's signed attestation (kiln sign), beside it or named by ",
+                Param("attestation"),
+            )
         ) from None
     except IntegrityError:
         raise
@@ -618,7 +628,9 @@ def _unreadable(location: str, exc: KilnError) -> IntegrityError:
                     f"{location}: not an attestation file ({kind}); nothing was changed"
                 )
     why = exc.message.removeprefix(f"{location}: ")
-    return IntegrityError(f"{location}: cannot read the attestation: {why}; nothing was changed")
+    return IntegrityError(
+        Worded(f"{location}: cannot read the attestation: ", why, "; nothing was changed")
+    )
 
 
 def verify_attestation(
@@ -640,7 +652,14 @@ def verify_attestation(
         raise UsageError("verify_keys is empty: name at least one public key, or pass None")
     if not refs:
         if attestation is not None:
-            raise UsageError("--attestation needs --verify-key: without a key nothing is verified")
+            raise UsageError(
+                Worded(
+                    Param("attestation"),
+                    " needs ",
+                    Param("verify_keys"),
+                    ": without a key nothing is verified",
+                )
+            )
         return None
     keys = load_verify_keys(refs)
     location = str(attestation) if attestation is not None else default_location(source)
@@ -653,10 +672,13 @@ def verify_attestation(
             errors.append(exc.message)
     if not verified:
         if len(errors) == 1:
-            raise IntegrityError(f"{location}: {errors[0]}; nothing was changed")
+            raise IntegrityError(Worded(f"{location}: ", errors[0], "; nothing was changed"))
         raise IntegrityError(
-            f"{location}: none of its {len(errors)} envelopes verifies ({errors[0]}); "
-            "nothing was changed"
+            Worded(
+                f"{location}: none of its {len(errors)} envelopes verifies (",
+                errors[0],
+                "); nothing was changed",
+            )
         )
     return AttestationCheck(location, verified)
 

@@ -58,7 +58,14 @@ from kiln.artifact.extract import (
 from kiln.artifact.machine import CAPABILITY, Machine, detect
 from kiln.artifact.manifest import MAX_TOTAL_BYTES, Manifest, first_problem
 from kiln.artifact.storage.base import copy_hashing
-from kiln.errors import IncompatibleError, IntegrityError, ParameterError, UsageError
+from kiln.errors import (
+    IncompatibleError,
+    IntegrityError,
+    Param,
+    ParameterError,
+    UsageError,
+    Worded,
+)
 from kiln.events import EventSink
 from kiln.files import atomic_write
 from kiln.serving import MAX_NAME_LENGTH, NAME_PATTERN
@@ -481,9 +488,13 @@ class Selector:
                 return False
         return self.torch_version is None or torch_matches(self.torch_version, v.torch)
 
-    def describe_here(self) -> str:
-        torch = f", torch {self.torch_version} (--torch-version)" if self.torch_version else ""
-        return f"{self.here().describe()}{torch}"
+    def describe_here(self) -> Worded:
+        torch = (
+            Worded(f", torch {self.torch_version} (", Param("torch_version"), ")")
+            if self.torch_version
+            else ""
+        )
+        return Worded(self.here().describe(), torch)
 
     def choose(self, variants: Sequence[Candidate], source: str) -> Choice:
         listed = "; ".join(f"{v.name} ({v.describe()})" for v in variants)
@@ -491,7 +502,7 @@ class Selector:
         if self.variant is not None:
             for v in variants:
                 if v.name == self.variant:
-                    return Choice(v, f"--variant {v.name}", None, self.torch_version)
+                    return Choice(v, Worded(Param("variant", v.name)), None, self.torch_version)
             raise UsageError(
                 f"{source}: no variant {self.variant!r} in the bundle; variants: {listed}",
             )
@@ -500,19 +511,31 @@ class Selector:
         detail["machine"] = {**machine.summary(), "torch_version": self.torch_version}
         if not hits:
             raise IncompatibleError(
-                f"{source}: no variant matches this machine ({self.describe_here()}); "
-                f"variants: {listed}; pick one with --variant NAME",
+                Worded(
+                    f"{source}: no variant matches this machine (",
+                    self.describe_here(),
+                    f"); variants: {listed}; pick one with ",
+                    Param("variant", "NAME"),
+                ),
                 detail=detail,
             )
         if len(hits) > 1:
-            hint = "--torch-version or --variant" if self.torch_version is None else "--variant"
+            hint = (
+                Worded(Param("torch_version"), " or ", Param("variant"))
+                if self.torch_version is None
+                else Worded(Param("variant"))
+            )
             raise UsageError(
-                f"{source}: {len(hits)} variants match this machine ({self.describe_here()}): "
-                f"{', '.join(v.name for v in hits)}; say which with {hint}",
+                Worded(
+                    f"{source}: {len(hits)} variants match this machine (",
+                    self.describe_here(),
+                    f"): {', '.join(v.name for v in hits)}; say which with ",
+                    hint,
+                ),
                 detail=detail,
             )
         v = hits[0]
-        why = f"this machine ({self.describe_here()}) matches {v.describe()}"
+        why = Worded("this machine (", self.describe_here(), f") matches {v.describe()}")
         return Choice(v, why, machine, self.torch_version)
 
     def still_chosen(self, name: str, key: VariantKey) -> bool:
@@ -557,7 +580,13 @@ def unpack(
             if first is None or first.name != INDEX_NAME:
                 manifest = read_manifest_member(tar, first)
                 if selector.variant is not None:
-                    raise UsageError(f"{source}: --variant {selector.variant!r}: not a bundle")
+                    raise UsageError(
+                        Worded(
+                            f"{source}: ",
+                            Param("variant", repr(selector.variant)),
+                            ": not a bundle",
+                        )
+                    )
                 return Unpacked(extract_members(tar, manifest, tree, emit))
             index = read_index_member(tar, first)
             choice = selector.choose(index.variants, source)

@@ -27,7 +27,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from kiln.errors import UsageError
+from kiln.errors import Param, UsageError, Worded
 from kiln.installs import extra_hint
 
 if TYPE_CHECKING:
@@ -62,37 +62,37 @@ def require_sign_extra() -> None:
 def read_key_bytes(ref: str, option: str) -> bytes:
     """The bytes ``ref`` names (a path, ``env:NAME`` or ``fd:N``), bounded; :class:`UsageError`
     (exit 2) for anything that cannot be read, quoting ``option`` and the reference."""
-    where = f"{option} {ref}"
+    where = Worded(Param(option, ref))
     if not ref:
-        raise UsageError(f"{option}: empty key reference (a path, env:NAME or fd:N)")
+        raise UsageError(Worded(Param(option), ": empty key reference (a path, env:NAME or fd:N)"))
     if ref.startswith("env:"):
         name = ref[4:]
         value = os.environ.get(name) if name else None
         if value is None:
-            raise UsageError(f"{where}: environment variable {name or '(none)'} is not set")
+            raise UsageError(Worded(where, f": environment variable {name or '(none)'} is not set"))
         data = value.encode()
     elif ref.startswith("fd:"):
         number = ref[3:]
         if not number.isdigit():
-            raise UsageError(f"{where}: expected fd:N with N a file descriptor number")
+            raise UsageError(Worded(where, ": expected fd:N with N a file descriptor number"))
         try:
             # A duplicate, so the caller's descriptor stays open (it is read to its end anyway).
             with os.fdopen(os.dup(int(number)), "rb") as fh:
                 data = fh.read(MAX_KEY_BYTES + 1)
         except OSError as exc:
-            raise UsageError(f"{where}: cannot read: {exc.strerror}") from None
+            raise UsageError(Worded(where, f": cannot read: {exc.strerror}")) from None
     else:
         try:
             with open(Path(ref), "rb") as fh:
                 data = fh.read(MAX_KEY_BYTES + 1)
         except FileNotFoundError:
-            raise UsageError(f"{where}: no such file") from None
+            raise UsageError(Worded(where, ": no such file")) from None
         except OSError as exc:
-            raise UsageError(f"{where}: cannot read: {exc.strerror}") from None
+            raise UsageError(Worded(where, f": cannot read: {exc.strerror}")) from None
     if len(data) > MAX_KEY_BYTES:
-        raise UsageError(f"{where}: more than {MAX_KEY_BYTES} bytes: not a PEM key")
+        raise UsageError(Worded(where, f": more than {MAX_KEY_BYTES} bytes: not a PEM key"))
     if not data.strip():
-        raise UsageError(f"{where}: empty")
+        raise UsageError(Worded(where, ": empty"))
     return data
 
 
@@ -122,7 +122,7 @@ def _check_kind(key: Any, where: str) -> None:
     curve = getattr(getattr(key, "curve", None), "name", None)
     shown = f"{kind} ({curve})" if curve else kind
     raise UsageError(
-        f"{where}: {article(shown)} {shown} key; kiln signs and verifies with {KINDS} keys"
+        Worded(where, f": {article(shown)} {shown} key; kiln signs and verifies with {KINDS} keys")
     )
 
 
@@ -164,65 +164,79 @@ class VerifyKey:
         return True
 
 
-def load_signing_key(ref: str, option: str = "--key") -> SigningKey:
+def load_signing_key(ref: str, option: str = "key") -> SigningKey:
     """Read and check a PEM private key (exit 2 for anything that is not a usable one)."""
     require_sign_extra()
     from cryptography.exceptions import UnsupportedAlgorithm
     from cryptography.hazmat.primitives.serialization import load_pem_private_key
     from securesystemslib.signer import CryptoSigner
 
-    where = f"{option} {ref}"
+    where = Worded(Param(option, ref))
     data = read_key_bytes(ref, option)
     kinds = _pem_kinds(data)
     if kinds and all("PRIVATE" not in k for k in kinds):
         raise UsageError(
-            f"{where}: holds {article(kinds[0])} {kinds[0]}, not a private key: "
-            "sign with the private key"
+            Worded(
+                where,
+                f": holds {article(kinds[0])} {kinds[0]}, not a private key: "
+                "sign with the private key",
+            )
         )
     try:
         key = load_pem_private_key(data, password=None)
     except TypeError:
         raise UsageError(
-            f"{where}: the key is encrypted; kiln reads unencrypted PEM keys (keep the key in a "
-            "CI secret and pass it as env:NAME or fd:N)"
+            Worded(
+                where,
+                ": the key is encrypted; kiln reads unencrypted PEM keys (keep the key in a "
+                "CI secret and pass it as env:NAME or fd:N)",
+            )
         ) from None
     except (ValueError, UnsupportedAlgorithm):
         raise UsageError(
-            f"{where}: not a PEM private key (make one with `openssl genpkey -algorithm ed25519`)"
+            Worded(
+                where,
+                ": not a PEM private key (make one with `openssl genpkey -algorithm ed25519`)",
+            )
         ) from None
     _check_kind(key, where)
     public = key.public_key()
     return SigningKey(ref, key_id(public), CryptoSigner(key, _sslib_key(public)))
 
 
-def load_verify_key(ref: str, option: str = "--verify-key") -> VerifyKey:
+def load_verify_key(ref: str, option: str = "verify_keys") -> VerifyKey:
     """Read and check one PEM public key (exit 2 for anything that is not a usable one)."""
     require_sign_extra()
     from cryptography.exceptions import UnsupportedAlgorithm
     from cryptography.hazmat.primitives.serialization import load_pem_public_key
 
-    where = f"{option} {ref}"
+    where = Worded(Param(option, ref))
     data = read_key_bytes(ref, option)
     kinds = _pem_kinds(data)
     if any("PRIVATE" in k for k in kinds):
         raise UsageError(
-            f"{where}: holds a private key; verify with the public key only "
-            "(`openssl pkey -in key.pem -pubout -out pub.pem`)"
+            Worded(
+                where,
+                ": holds a private key; verify with the public key only "
+                "(`openssl pkey -in key.pem -pubout -out pub.pem`)",
+            )
         )
     if len(kinds) > 1:
-        raise UsageError(f"{where}: holds {len(kinds)} PEM blocks; give one key per {option}")
+        raise UsageError(
+            Worded(where, f": holds {len(kinds)} PEM blocks; give one key per ", Param(option))
+        )
     try:
         key = load_pem_public_key(data)
     except (ValueError, UnsupportedAlgorithm):
-        raise UsageError(f"{where}: not a PEM public key") from None
+        raise UsageError(Worded(where, ": not a PEM public key")) from None
     _check_kind(key, where)
     return VerifyKey(ref, key_id(key), _sslib_key(key))
 
 
-def load_verify_keys(refs: Iterable[str | Path], option: str = "--verify-key") -> list[VerifyKey]:
+def load_verify_keys(refs: Iterable[str | Path], option: str = "verify_keys") -> list[VerifyKey]:
     keys = [load_verify_key(str(ref), option) for ref in refs]
     if not keys:
-        raise UsageError(f"{option}: no key given")
+        raise UsageError(Worded(Param(option), ": no key given"))
     return keys
 
 

@@ -61,7 +61,7 @@ from kiln.artifact.manifest import (
 )
 from kiln.artifact.payload import payload_sha256
 from kiln.artifact.ranks_layout import store_once
-from kiln.errors import IncompatibleError, IntegrityError, UsageError
+from kiln.errors import IncompatibleError, IntegrityError, Param, UsageError, Worded
 from kiln.events import EventSink, Packed, Packing, ignore
 from kiln.factors import compare, misses
 from kiln.grid import assign_shards, expand
@@ -281,8 +281,12 @@ def _shards(
     for item in inputs:
         if item.shard.count != count:
             raise UsageError(
-                f"{item.label} and {inputs[0].label} slice the grid differently: "
-                "merge the shards of one --shard count"
+                Worded(
+                    f"{item.label} and {inputs[0].label} slice the grid differently: "
+                    "merge the shards of one ",
+                    Param("shard"),
+                    " count",
+                )
             )
         for index in item.shard.indexes:
             if index in owner:
@@ -295,8 +299,11 @@ def _shards(
     if missing and not partial:
         shown = ", ".join(f"{i}/{count}" for i in missing[:8]) + (" …" if len(missing) > 8 else "")
         raise UsageError(
-            f"shard(s) {shown} missing: pass all {count}, or --partial for an artifact "
-            "without their buckets"
+            Worded(
+                f"shard(s) {shown} missing: pass all {count}, or ",
+                Param("partial"),
+                " for an artifact without their buckets",
+            )
         )
     ordered = sorted(inputs, key=lambda i: i.shard.indexes)
     return ordered, ShardInfo.of(count, sorted(owner)), missing

@@ -43,7 +43,7 @@ from kiln.artifact.oci_layout import variant_select
 from kiln.artifact.relocate import relocate_groups
 from kiln.artifact.storage import DEFAULT_TIMEOUT, check_timeout, fetch, is_remote, parse_digest
 from kiln.artifact.swap import UNWRITABLE, Lock, clean_stale, dest_path, make_staging, recover, swap
-from kiln.errors import IntegrityError, KilnError, UsageError
+from kiln.errors import IntegrityError, KilnError, Param, UsageError, Worded
 from kiln.events import DestChanged, EventSink, Fetched, Fetching, ignore
 from kiln.files import CHUNK, atomic_write
 from kiln.serving import (
@@ -131,13 +131,15 @@ class Installed:
         except KilnError:
             return None
         why = (
-            f"--variant {candidate.name}"
+            Worded(Param("variant", candidate.name))
             if selector.variant is not None
-            else f"this machine ({selector.describe_here()}) matches {candidate.describe()}"
+            else Worded(
+                "this machine (", selector.describe_here(), f") matches {candidate.describe()}"
+            )
         )
         machine = selector.machine if selector.variant is None else None
         return Choice(
-            candidate, f"{why} (installed already)", machine, selector.torch_version, bundle
+            candidate, Worded(why, " (installed already)"), machine, selector.torch_version, bundle
         )
 
 

@@ -10,7 +10,7 @@ from rich.console import Console
 
 from kiln.artifact.storage import DEFAULT_TIMEOUT
 from kiln.cli.options import JSON, QUIET
-from kiln.cli.output import Output, esc
+from kiln.cli.output import Output, esc, flagged
 from kiln.cli.render import bundle_view, human_bytes, manifest_view
 
 
@@ -117,7 +117,7 @@ def restore_cmd(
             torch_version=torch_version,
         )
     if result.choice is not None:
-        o.note(f"bundle: variant {result.choice.variant.name}: {result.choice.reason}")
+        o.note(f"bundle: variant {result.choice.variant.name}: {flagged(result.choice.reason)}")
     if result.provenance is not None:
         o.note(f"attestation verified: {describe_line(result.provenance)}")
 

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import os
 import sys
 import time
 from pathlib import Path
@@ -88,14 +87,14 @@ def bake_cmd(
     target = out or Path(f"{parsed.name}{suffix}.kiln.tar.zst")
     signing = _signing_key(sign_key)  # before compiling: a bad key costs a second, not a bake
     require_torch("bake")
-    from kiln.compiler.bake import bake
+    from kiln.compiler.bake import FollowerResult, bake
 
     with o.progress() as sink:
         result = bake(
             parsed, target, passes=passes, prove=prove, strict=strict, on_event=sink, shard=sliced
         )
-    if result is None:  # a rank > 0 of the user's launch: it ran its workers for rank 0
-        print(f"rank {os.environ.get('RANK')}: baked; rank 0 writes the artifact", file=sys.stderr)
+    if isinstance(result, FollowerResult):  # a rank > 0 of the user's launch
+        print(result.message, file=sys.stderr)
         return
     signed = _sign(result, signing) if signing is not None else None
 
@@ -132,7 +131,7 @@ def _signing_key(ref: str | None) -> SigningKey | None:
         return None
     from kiln.artifact.keys import load_signing_key  # needs torch-kiln[sign]: exit 2 without
 
-    return load_signing_key(ref, "--sign-key")
+    return load_signing_key(ref, "sign_key")
 
 
 def _sign(result: BakeResult, signing: SigningKey) -> SignResult:

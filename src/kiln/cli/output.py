@@ -35,7 +35,7 @@ from rich.progress import (
 )
 from rich.text import Text
 
-from kiln.errors import ExitCode, KilnError, ParameterError
+from kiln.errors import ExitCode, KilnError, as_flags
 from kiln.events import (
     BucketDone,
     BucketStarted,
@@ -87,9 +87,30 @@ def console(*, stderr: bool = False) -> Console:
     return out
 
 
+# Library parameters whose flag is not their name spelled with dashes (kiln.errors.flag_of).
+FLAGS = {"weights": "--weight", "verify_keys": "--verify-key"}
+
+
+def flagged(text: str) -> str:
+    """Library text as the CLI says it: a parameter it names (:class:`kiln.errors.Worded`) is
+    the flag that sets it."""
+    return as_flags(text, FLAGS)
+
+
+def _flagged_all(data: Any) -> Any:
+    if isinstance(data, str):
+        return flagged(data)
+    if isinstance(data, dict):
+        return {k: _flagged_all(v) for k, v in data.items()}
+    if isinstance(data, (list, tuple)):
+        return [_flagged_all(v) for v in data]
+    return data
+
+
 def json_text(data: Any) -> str:
-    """A result as ``--json`` prints it (and ``--save`` writes it): one document, keys sorted."""
-    return json.dumps(data, indent=2, sort_keys=True, default=str) + "\n"
+    """A result as ``--json`` prints it (and ``--save`` writes it): one document, keys sorted,
+    library text worded with flags (a bundle variant's ``reason``)."""
+    return json.dumps(_flagged_all(data), indent=2, sort_keys=True, default=str) + "\n"
 
 
 def save_json(path: Path, data: Any) -> None:
@@ -268,10 +289,8 @@ def classify(exc: BaseException) -> tuple[int, str, object | None]:
     A :class:`KilnError` carries its code; a flag or argument that click refuses (a bad
     ``--order``, a missing SPEC) is a usage error, exit 2; anything else is a bug, exit 1.
     """
-    if isinstance(exc, ParameterError):  # the library names a parameter; here it is a flag
-        return int(exc.exit_code), exc.as_flag(), exc.detail
-    if isinstance(exc, KilnError):
-        return int(exc.exit_code), exc.message, exc.detail
+    if isinstance(exc, KilnError):  # the library names its parameters; here they are flags
+        return int(exc.exit_code), flagged(exc.message), exc.detail
     if isinstance(exc, _ClickUsageError):
         ctx = exc.ctx
         hint = f" (see '{ctx.command_path} --help')" if ctx is not None else ""

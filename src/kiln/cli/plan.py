@@ -57,6 +57,11 @@ def plan_cmd(
 
     o = Output(json_)
     weights = _weights(weight)
+    if budget_s is not None and artifact is None:  # the library's `bake` is this --artifact
+        raise UsageError(
+            "--budget-s needs --artifact (an artifact or restored folder of this spec) to "
+            "estimate each bucket's bake time"
+        )
     parsed = load_spec(spec)
     traffic = read_traffic(shapes, tuple(parsed.buckets))
     bake = None

@@ -58,7 +58,7 @@ from kiln.compiler.capture import capture, capture_bytecode, capture_tree, paylo
 from kiln.compiler.dynamo_log import merge_breaks
 from kiln.compiler.launch import WorkerRun, run_worker
 from kiln.compiler.protocol import AotiBuild, WorkerRequest, input_stream
-from kiln.errors import UsageError, VerificationError
+from kiln.errors import Param, UsageError, VerificationError, Worded
 from kiln.events import (
     Capturing,
     EventSink,
@@ -127,6 +127,20 @@ class BakeResult:
         }
 
 
+@dataclass(frozen=True)
+class FollowerResult:
+    """What :func:`bake` returns on a rank above 0 of a user's launch: this rank ran its own
+    workers for rank 0, which alone packs and writes the artifact, so there is none here to
+    sign, print or restore. :attr:`message` says so in one line."""
+
+    rank: int
+    world_size: int
+
+    @property
+    def message(self) -> str:
+        return f"rank {self.rank}: baked; rank 0 writes the artifact"
+
+
 def bake(
     spec: Spec | str | Path,
     out: str | Path,
@@ -137,7 +151,7 @@ def bake(
     on_event: EventSink | None = None,
     keep_workdir: Path | None = None,
     shard: Shard | tuple[int, int] | str | None = None,
-) -> BakeResult | None:
+) -> BakeResult | FollowerResult:
     """Compile ``spec``'s grid and write a deterministic artifact to ``out``.
 
     ``prove`` (the default) ends the bake with a fresh process that serves the packed artifact,
@@ -153,13 +167,13 @@ def bake(
 
     A distributed spec baked inside a launch the user started (``RANK``/``WORLD_SIZE`` set;
     :mod:`kiln.compiler.inlaunch`): rank 0 bakes and writes ``out``; every other rank runs its
-    own rank's workers for rank 0 and returns None (no artifact).
+    own rank's workers for rank 0 and returns a :class:`FollowerResult` (no artifact).
     """
     spec = spec if isinstance(spec, Spec) else load_spec(spec)
     launched = inlaunch.in_launch(spec)  # exit 2 when the launch's size is not the spec's
     if launched is not None and launched.rank != 0:
         inlaunch.follow(spec, launched, _workdir_base() / spec.name)
-        return None
+        return FollowerResult(launched.rank, launched.world_size)
     out = Path(out)
     buckets = expand(spec)
     if not buckets:
@@ -484,7 +498,9 @@ class _Baker:
             "too; `kiln verify` will fail"
         )
         if strict:
-            raise VerificationError(f"--strict: {warning}", detail=report.to_dict())
+            raise VerificationError(
+                Worded(Param("strict"), f": {warning}"), detail=report.to_dict()
+            )
         return self.manifest(proof, warning)
 
     def _new_order_seed(self, seed: int) -> int:

@@ -42,7 +42,7 @@ from kiln.compiler.bake import BakeResult, bake
 from kiln.compiler.launch import WorkerRun, run_worker
 from kiln.compiler.protocol import WorkerRequest
 from kiln.compiler.verify import first_process, made_for, rank_buckets, served_request
-from kiln.errors import UsageError
+from kiln.errors import Param, UsageError, Worded
 from kiln.events import EventSink, ModeStarted, ignore
 from kiln.grid import expand, ordered
 from kiln.serving import (
@@ -203,7 +203,7 @@ def bench(
     """
     chosen = check_modes(modes)
     if repeat < 1:
-        raise UsageError("--repeat must be at least 1")
+        raise UsageError(Worded(Param("repeat"), " must be at least 1"))
     spec = spec if isinstance(spec, Spec) else load_spec(spec)
     emit = on_event or ignore
     work = Path(workdir) if workdir else Path(tempfile.mkdtemp(prefix=f"kiln-bench-{spec.name}-"))
@@ -268,7 +268,7 @@ def _bake_aoti(spec: Spec, work: Path, emit: EventSink) -> BakeResult:
     result = bake(
         spec, work / "bench-aoti.kiln.tar.zst", keep_workdir=work / "aoti-workdir", on_event=emit
     )
-    assert result is not None  # a 1-rank spec (the route is single-rank)
+    assert isinstance(result, BakeResult)  # a 1-rank spec (the route is single-rank)
     return result
 
 
@@ -279,7 +279,7 @@ def _bake_for_bench(spec: Spec, work: Path, emit: EventSink) -> BakeResult:
     result = bake(
         spec, work / "bench.kiln.tar.zst", keep_workdir=work / "bake-workdir", on_event=emit
     )
-    if result is None:  # a rank > 0 of a user's launch: rank 0 bakes, and bench needs it here
+    if not isinstance(result, BakeResult):  # a rank > 0 of a user's launch: rank 0 bakes it
         raise UsageError(f"{spec.name}: run kiln bench once, outside torchrun")
     return result
 

@@ -34,7 +34,14 @@ from kiln.compiler.process import heartbeat_interval, spawn
 from kiln.compiler.protocol import WorkerFailure
 from kiln.compiler.verify import check_world_size
 from kiln.compiler.writes import Watch
-from kiln.errors import IncompatibleError, NotFoundError, UsageError
+from kiln.errors import (
+    IncompatibleError,
+    NotFoundError,
+    Param,
+    ParameterError,
+    UsageError,
+    Worded,
+)
 from kiln.events import EventSink
 from kiln.padding import OffGridError, shape_key
 from kiln.serving import INDUCTOR_DIR, ON_MISS, OnMiss, cache_env, worker_env
@@ -198,11 +205,15 @@ def replay(
     if not (cache / INDUCTOR_DIR).is_dir():
         raise NotFoundError(f"{cache}: no {INDUCTOR_DIR}/ folder (restore an artifact there first)")
     if on_miss is not None and on_miss not in ON_MISS:
-        raise UsageError(f"--on-miss {on_miss}: one of {', '.join(ON_MISS)}")
+        raise ParameterError("on_miss", on_miss, f"one of {', '.join(ON_MISS)}", shown=str(on_miss))
     manifest = read_manifest(cache)
     check_world_size(spec, manifest)
     if spec.distributed:
-        raise UsageError(f"{spec.name}: --traffic replays one process; multi-rank specs not yet")
+        raise UsageError(
+            Worded(
+                f"{spec.name}: ", Param("traffic"), " replays one process; multi-rank specs not yet"
+            )
+        )
     log = read_traffic(traffic, tuple(spec.buckets))
     if log.requests > MAX_REPLAY:
         raise UsageError(
@@ -272,7 +283,7 @@ def bench_traffic(
     """Bake ``spec``, restore it at a new path, and replay ``traffic`` against the unpadded
     eager call (``kiln bench --traffic``)."""
     from kiln.artifact.restore import restore
-    from kiln.compiler.bake import bake
+    from kiln.compiler.bake import FollowerResult, bake
 
     spec = spec if isinstance(spec, Spec) else load_spec(spec)
     read_traffic(traffic, tuple(spec.buckets))  # a bad log is exit 2 before a bake
@@ -280,7 +291,7 @@ def bench_traffic(
     work.mkdir(parents=True, exist_ok=True)
     try:
         baked = bake(spec, work / "bench.kiln.tar.zst", on_event=on_event)
-        if baked is None:
+        if isinstance(baked, FollowerResult):
             raise UsageError(f"{spec.name}: run kiln bench once, outside torchrun")
         restore(baked.artifact, work / "restored")
         report = replay(

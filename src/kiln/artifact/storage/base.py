@@ -28,7 +28,7 @@ from pathlib import Path
 from types import ModuleType
 from typing import IO, Any, BinaryIO, NamedTuple
 
-from kiln.errors import IntegrityError, KilnError, ParameterError, UsageError
+from kiln.errors import IntegrityError, KilnError, Param, ParameterError, UsageError, Worded
 from kiln.files import CHUNK
 from kiln.installs import extra_hint
 
@@ -151,7 +151,12 @@ class Deadline:
         return self.cut or self.remaining() <= 0
 
     def error(self, source: str) -> KilnError:
-        return KilnError(f"{source}: download did not finish within --timeout {self.total:g}s")
+        return KilnError(
+            Worded(
+                f"{source}: download did not finish within ",
+                Param("timeout", f"{self.total:g}s"),
+            )
+        )
 
     def check(self, source: str) -> None:
         if self.expired:
