@@ -168,7 +168,9 @@ def test_capability_must_match_when_known(tmp_path: Path, bundle: Path) -> None:
 def test_torch_version_picks_between_builds(tmp_path: Path, variants) -> None:
     old = variant_archive(tmp_path / "old.kiln.tar.zst", H200_OLD_TORCH)
     two = write_bundle([variants["h200"], old], tmp_path / "two.kiln.tar.zst").path
-    with pytest.raises(UsageError, match=r"2 variants match .*; say which with torch_version or variant$"):
+    with pytest.raises(
+        UsageError, match=r"2 variants match .*; say which with torch_version or variant$"
+    ):
         restore(two, tmp_path / "c", machine=H200)
     for given, want in (("2.11.0+cu130", "cu130"), ("2.11.0", "cu130"), ("2.10.0", "cu128")):
         result = restore(two, tmp_path / given, machine=H200, torch_version=given)
@@ -181,8 +183,7 @@ def test_torch_version_picks_between_builds(tmp_path: Path, variants) -> None:
 def test_variant_flag_overrides_and_unknown_is_exit_2(tmp_path: Path, bundle: Path, variants):
     result = restore(bundle, tmp_path / "c", machine=CPU, variant="h200-sm90-torch2.11.0-cu130")
     assert (
-        result.choice is not None
-        and result.choice.reason == "variant=h200-sm90-torch2.11.0-cu130"
+        result.choice is not None and result.choice.reason == "variant=h200-sm90-torch2.11.0-cu130"
     )
     with pytest.raises(UsageError, match="no variant 'nope'"):
         restore(bundle, tmp_path / "d", machine=CPU, variant="nope")

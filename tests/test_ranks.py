@@ -463,6 +463,46 @@ def test_a_bake_inside_a_users_torchrun_restores_and_hits_on_both_ranks(tmp_path
         assert sum(b.compiles for b in report.buckets) == 0
 
 
+FOLLOWER = """
+import json, os, sys
+import kiln
+result = kiln.bake(sys.argv[1], sys.argv[2], prove=False, passes=1)
+fields = {"type": type(result).__name__, "rank": getattr(result, "rank", None),
+          "world_size": getattr(result, "world_size", None),
+          "message": getattr(result, "message", None)}
+with open(f"{sys.argv[3]}.{os.environ['RANK']}.json", "w") as fh:
+    json.dump(fields, fh)
+"""
+
+
+@pytest.mark.slow  # ~1 min: 2 library bakes of one bucket under torchrun
+def test_bake_on_a_follower_rank_returns_what_it_did_not_none(tmp_path: Path) -> None:
+    """``kiln.bake`` inside a user's launch: rank 0 returns the artifact's BakeResult; rank 1 a
+    FollowerResult saying rank 0 writes it (issue 28: not None, for the CLI to explain)."""
+    import json
+
+    spec = tmp_path / "tp.yaml"
+    text = (ROOT / "configs" / "tp-mlp-cpu.yaml").read_text().replace("[1, 4, 16]", "[4]")
+    spec.write_text(text.replace("../examples/", f"{ROOT}/examples/"))
+    script = tmp_path / "follower.py"
+    script.write_text(FOLLOWER)
+    out, report = tmp_path / "tp.kiln.tar.zst", tmp_path / "result"
+    launch = [sys.executable, "-m", "torch.distributed.run", "--standalone"]
+    command = [*launch, "--nproc-per-node", "2", str(script), str(spec), str(out), str(report)]
+    src = str(ROOT / "src")
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([src, str(ROOT)])}
+    proc = subprocess.run(command, env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    lead, follower = (json.loads(Path(f"{report}.{r}.json").read_text()) for r in (0, 1))
+    assert lead["type"] == "BakeResult" and out.is_file()
+    assert follower == {
+        "type": "FollowerResult",
+        "rank": 1,
+        "world_size": 2,
+        "message": "rank 1: baked; rank 0 writes the artifact",
+    }
+
+
 @pytest.mark.slow  # ~15 s: 2 kiln processes under torchrun, stopped while compiling
 def test_sigterm_to_a_users_torchrun_stops_every_rank_and_removes_the_work_folder(
     tmp_path: Path,

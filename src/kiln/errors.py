@@ -98,9 +98,11 @@ class Worded(str):
         """As ``str.removeprefix``, still worded when the prefix is plain text (a location
         that wrapping code strips before putting the message in its own)."""
         first = self.parts[0] if self.parts else ""
+        if not self.startswith(prefix):
+            return self
         if isinstance(first, str) and first.startswith(prefix):
             return Worded(first[len(prefix) :], *self.parts[1:])
-        return super().removeprefix(prefix)
+        return super().removeprefix(prefix)  # the prefix cuts a parameter: plain text
 
     def as_flags(self, flags: Mapping[str, str] | None = None) -> str:
         return "".join(

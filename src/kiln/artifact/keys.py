@@ -59,12 +59,13 @@ def require_sign_extra() -> None:
         ) from None
 
 
-def read_key_bytes(ref: str, option: str) -> bytes:
+def read_key_bytes(ref: str, param: str) -> bytes:
     """The bytes ``ref`` names (a path, ``env:NAME`` or ``fd:N``), bounded; :class:`UsageError`
-    (exit 2) for anything that cannot be read, quoting ``option`` and the reference."""
-    where = Worded(Param(option, ref))
+    (exit 2) for anything that cannot be read, quoting the reference as the parameter ``param``
+    that gave it (``verify_keys=pub.pem``; the CLI says its flag: ``--verify-key pub.pem``)."""
+    where = Worded(Param(param, ref))
     if not ref:
-        raise UsageError(Worded(Param(option), ": empty key reference (a path, env:NAME or fd:N)"))
+        raise UsageError(Worded(Param(param), ": empty key reference (a path, env:NAME or fd:N)"))
     if ref.startswith("env:"):
         name = ref[4:]
         value = os.environ.get(name) if name else None
@@ -164,15 +165,15 @@ class VerifyKey:
         return True
 
 
-def load_signing_key(ref: str, option: str = "key") -> SigningKey:
+def load_signing_key(ref: str, param: str = "key") -> SigningKey:
     """Read and check a PEM private key (exit 2 for anything that is not a usable one)."""
     require_sign_extra()
     from cryptography.exceptions import UnsupportedAlgorithm
     from cryptography.hazmat.primitives.serialization import load_pem_private_key
     from securesystemslib.signer import CryptoSigner
 
-    where = Worded(Param(option, ref))
-    data = read_key_bytes(ref, option)
+    where = Worded(Param(param, ref))
+    data = read_key_bytes(ref, param)
     kinds = _pem_kinds(data)
     if kinds and all("PRIVATE" not in k for k in kinds):
         raise UsageError(
@@ -204,14 +205,14 @@ def load_signing_key(ref: str, option: str = "key") -> SigningKey:
     return SigningKey(ref, key_id(public), CryptoSigner(key, _sslib_key(public)))
 
 
-def load_verify_key(ref: str, option: str = "verify_keys") -> VerifyKey:
+def load_verify_key(ref: str, param: str = "verify_keys") -> VerifyKey:
     """Read and check one PEM public key (exit 2 for anything that is not a usable one)."""
     require_sign_extra()
     from cryptography.exceptions import UnsupportedAlgorithm
     from cryptography.hazmat.primitives.serialization import load_pem_public_key
 
-    where = Worded(Param(option, ref))
-    data = read_key_bytes(ref, option)
+    where = Worded(Param(param, ref))
+    data = read_key_bytes(ref, param)
     kinds = _pem_kinds(data)
     if any("PRIVATE" in k for k in kinds):
         raise UsageError(
@@ -223,7 +224,7 @@ def load_verify_key(ref: str, option: str = "verify_keys") -> VerifyKey:
         )
     if len(kinds) > 1:
         raise UsageError(
-            Worded(where, f": holds {len(kinds)} PEM blocks; give one key per ", Param(option))
+            Worded(where, f": holds {len(kinds)} PEM blocks; give one key per ", Param(param))
         )
     try:
         key = load_pem_public_key(data)
@@ -233,10 +234,10 @@ def load_verify_key(ref: str, option: str = "verify_keys") -> VerifyKey:
     return VerifyKey(ref, key_id(key), _sslib_key(key))
 
 
-def load_verify_keys(refs: Iterable[str | Path], option: str = "verify_keys") -> list[VerifyKey]:
-    keys = [load_verify_key(str(ref), option) for ref in refs]
+def load_verify_keys(refs: Iterable[str | Path], param: str = "verify_keys") -> list[VerifyKey]:
+    keys = [load_verify_key(str(ref), param) for ref in refs]
     if not keys:
-        raise UsageError(Worded(Param(option), ": no key given"))
+        raise UsageError(Worded(Param(param), ": no key given"))
     return keys
 
 
