@@ -23,7 +23,7 @@ from kiln.artifact.storage.base import (
     ByteSink,
     CappedBuffer,
     Deadline,
-    Fetched,
+    FetchedFile,
     PushResult,
     Select,
     Store,
@@ -38,7 +38,7 @@ __all__ = [
     "BACKENDS",
     "DEFAULT_TIMEOUT",
     "Deadline",
-    "Fetched",
+    "FetchedFile",
     "PushResult",
     "Store",
     "backend",
@@ -84,13 +84,13 @@ def fetch(
     on_bytes: ByteSink | None = None,
     timeout: float = DEFAULT_TIMEOUT,
     select: Select | None = None,
-) -> Fetched:
+) -> FetchedFile:
     """Make ``source`` available as an open local file (downloading into ``workdir`` if remote).
 
     The digest is checked against ``expected_sha256`` before this returns (for a bundle a store
     resolves itself, an OCI image index, against the index's digest: the release's); a download
     must finish within ``timeout`` seconds. ``select`` chooses such a bundle's variant. The
-    caller owns (closes) the returned :class:`Fetched`.
+    caller owns (closes) the returned :class:`FetchedFile`.
     """
     parse_digest(expected_sha256)
     deadline = Deadline(timeout)

@@ -274,11 +274,12 @@ def need_extra(module: str, extra: str) -> ModuleType:
 
 
 @dataclass(frozen=True)
-class Fetched:
+class FetchedFile:
     """A fetched artifact: ``file`` is open at offset 0 and holds exactly the bytes hashed.
 
     Read the artifact from ``file``, never by opening ``path`` again. Use as a context manager
-    (or call :meth:`close`).
+    (or call :meth:`close`). Named for what it holds, an open file: restore's progress event
+    for the bytes on their way is :class:`kiln.events.Fetched`.
     """
 
     path: Path
@@ -294,7 +295,7 @@ class Fetched:
     def close(self) -> None:
         self.file.close()
 
-    def __enter__(self) -> Fetched:
+    def __enter__(self) -> FetchedFile:
         return self
 
     def __exit__(self, *exc: object) -> None:
@@ -350,16 +351,16 @@ class Store(ABC):
         deadline: Deadline,
         on_bytes: ByteSink | None,
         select: Select | None = None,
-    ) -> Fetched:
+    ) -> FetchedFile:
         """The artifact as one open local file: downloaded into ``workdir`` by :meth:`fetch`.
 
-        The caller checks the digest, then reads (unpacks) from :attr:`Fetched.file`, the very
-        file that was hashed. A local store overrides this to open the file in place. ``select``
-        is for stores that resolve bundles themselves (OCI); a bundle *file* is chosen from as
-        it is unpacked (:func:`kiln.artifact.bundle.unpack`).
+        The caller checks the digest, then reads (unpacks) from :attr:`FetchedFile.file`, the
+        very file that was hashed. A local store overrides this to open the file in place.
+        ``select`` is for stores that resolve bundles themselves (OCI); a bundle *file* is chosen
+        from as it is unpacked (:func:`kiln.artifact.bundle.unpack`).
         """
         dest = workdir / DOWNLOAD_NAME
-        out = open(dest, "x+b")  # noqa: SIM115 - handed to the caller inside Fetched
+        out = open(dest, "x+b")  # noqa: SIM115 - handed to the caller inside FetchedFile
         try:
             sha, size = self.fetch(url, out, deadline=deadline, on_bytes=on_bytes)
             out.flush()
@@ -367,7 +368,7 @@ class Store(ABC):
         except BaseException:
             out.close()
             raise
-        return Fetched(dest, sha, size, downloaded=True, file=out)
+        return FetchedFile(dest, sha, size, downloaded=True, file=out)
 
 
 def cannot_push(url: str) -> UsageError:

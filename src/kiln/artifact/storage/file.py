@@ -17,7 +17,7 @@ from kiln.artifact.storage.base import (
     ByteSink,
     Deadline,
     Digest,
-    Fetched,
+    FetchedFile,
     PushResult,
     Select,
     Store,
@@ -69,7 +69,7 @@ class FileStore(Store):
         deadline: Deadline,
         on_bytes: ByteSink | None,
         select: Select | None = None,
-    ) -> Fetched:
+    ) -> FetchedFile:
         path = local_path(url)
         fh = open_regular(path, url)
         try:
@@ -79,7 +79,7 @@ class FileStore(Store):
         except BaseException:
             fh.close()
             raise
-        return Fetched(path, sha, size, downloaded=False, file=fh)
+        return FetchedFile(path, sha, size, downloaded=False, file=fh)
 
     def fetch(
         self, url: str, into: IO[bytes], *, deadline: Deadline, on_bytes: ByteSink | None

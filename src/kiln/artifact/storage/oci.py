@@ -30,7 +30,7 @@ from kiln.artifact.storage.base import (
     CappedBuffer,
     Deadline,
     Digest,
-    Fetched,
+    FetchedFile,
     RedirectRefused,
     Select,
     Store,
@@ -59,10 +59,10 @@ class OciStore(Store):
         deadline: Deadline,
         on_bytes: ByteSink | None,
         select: Select | None = None,
-    ) -> Fetched:
+    ) -> FetchedFile:
         """The artifact, or for a bundle (an image index) the variant ``select`` chooses."""
         dest = workdir / DOWNLOAD_NAME
-        out = open(dest, "x+b")  # noqa: SIM115 - handed to the caller inside Fetched
+        out = open(dest, "x+b")  # noqa: SIM115 - handed to the caller inside FetchedFile
         try:
             got, choice, release = self._fetch(url, out, deadline, on_bytes, select)
             out.flush()
@@ -70,7 +70,9 @@ class OciStore(Store):
         except BaseException:
             out.close()
             raise
-        return Fetched(dest, got.sha256, got.size, True, out, choice=choice, release_sha256=release)
+        return FetchedFile(
+            dest, got.sha256, got.size, True, out, choice=choice, release_sha256=release
+        )
 
     def fetch(
         self, url: str, into: IO[bytes], *, deadline: Deadline, on_bytes: ByteSink | None
