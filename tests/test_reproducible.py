@@ -3,7 +3,7 @@
 Two CPU bakes of the tiny MLP write the same cache keys and byte-identical generated code and
 native objects; torch's FX/AOTAutograd entries (and the Mega-Cache blob that bundles them) hold
 compile times and a memory address, so their bytes differ. ``payload_sha256`` and
-:func:`kiln.compiler.capture.compare` leave out exactly those bytes and the manifest's own
+:func:`kiln.artifact.payload.manifest_diff` leave out exactly those bytes and the manifest's own
 measurements, and name anything else that differs.
 """
 
@@ -16,7 +16,7 @@ import pytest
 
 from kiln.artifact.archive import read_manifest
 from kiln.artifact.manifest import FileEntry
-from kiln.compiler.capture import MEASURED_KINDS, compare, payload_diff, payload_sha256
+from kiln.artifact.payload import MEASURED_KINDS, manifest_diff, payload_diff, payload_sha256
 from tests.conftest import mlp_spec
 
 
@@ -73,7 +73,7 @@ def test_two_bakes_of_one_spec_reproduce_each_other(cli, tmp_path: Path) -> None
     # What is identical: the payload digest, the manifest's inputs and environment, the cache
     # keys, and every byte of generated code and native objects.
     assert a.payload_sha256 == b.payload_sha256
-    assert compare(a, b) == [], compare(a, b)
+    assert manifest_diff(a, b) == [], manifest_diff(a, b)
     assert a.created == b.created == "2023-11-14T22:13:20+00:00"
     bytes_a = {f.path: f.sha256 for f in a.files if f.kind not in MEASURED_KINDS | {"megacache"}}
     bytes_b = {f.path: f.sha256 for f in b.files if f.kind not in MEASURED_KINDS | {"megacache"}}

@@ -453,7 +453,7 @@ class Manifest(_Model):
     bytecode: Bytecode | None = None  # imported modules' bytecode, for images without it
     aoti: Aoti | None = None  # compile.route: aoti's packages (None: the torch.compile route)
     # Digest of what a reproducible bake must reproduce: cache keys and code, not torch's
-    # measured entries or timings (kiln.compiler.capture.payload_sha256). None: older kilns.
+    # measured entries or timings (kiln.artifact.payload.payload_sha256). None: older kilns.
     payload_sha256: str | None = None
     # torch.compile(**compile_kwargs) exactly as the bake called it (None: baked before kiln
     # recorded it). Serving passes these (kiln.serving.served_torch_kwargs), not whatever this

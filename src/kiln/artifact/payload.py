@@ -1,7 +1,8 @@
 """The payload digest: what two bakes that compiled the same thing share, timings aside.
 
 Torch-free, beside the manifest it summarizes: bake records it, ``kiln merge`` recomputes it for
-the union of its shards' files, and the reproducibility check compares it.
+the union of its shards' files, and the reproducibility check compares it (and, with
+:func:`manifest_diff`, every other field two bakes of one spec must share).
 """
 
 from __future__ import annotations
@@ -9,7 +10,7 @@ from __future__ import annotations
 import hashlib
 from pathlib import PurePosixPath
 
-from kiln.artifact.manifest import FileEntry
+from kiln.artifact.manifest import FileEntry, Manifest
 from kiln.serving import MEGACACHE_NAME
 
 # Two bakes of one spec on one machine write the same cache keys and byte-identical generated
@@ -58,3 +59,35 @@ def payload_diff(a: list[FileEntry], b: list[FileEntry]) -> list[str]:
     return [f"- {line}" for line in sorted(left - right)] + [
         f"+ {line}" for line in sorted(right - left)
     ]
+
+
+# What a second bake must reproduce besides the payload: every manifest field but the
+# measurements (created, grid timings, pass wall times, totals) and the file list (compared by
+# payload_diff).
+_COMPARED_FIELDS = (
+    "kiln_version",
+    "name",
+    "spec_sha256",
+    "model_source_sha256",
+    "fingerprint",
+    "env",
+    "compile_kwargs",
+    "megacache",
+    "precompiled",
+    "warnings",
+)
+
+
+def manifest_diff(a: Manifest, b: Manifest) -> list[str]:
+    """What differs between two bakes' manifests, one line each, timings aside: empty means the
+    second bake reproduced the first (same inputs, same environment, same cache keys and code)."""
+    out = [f"{name} differs" for name in _COMPARED_FIELDS if getattr(a, name) != getattr(b, name)]
+    grid_a = [(s.key, s.compiles) for s in a.grid]
+    grid_b = [(s.key, s.compiles) for s in b.grid]
+    if grid_a != grid_b:
+        out.append(f"grid (bucket, compiles) differs: {grid_a} vs {grid_b}")
+    passes_a = [(p.order, p.compiles) for p in a.passes]
+    passes_b = [(p.order, p.compiles) for p in b.passes]
+    if passes_a != passes_b:
+        out.append(f"passes (order, compiles) differ: {passes_a} vs {passes_b}")
+    return out + payload_diff(a.files, b.files)

@@ -52,9 +52,10 @@ from kiln.artifact.manifest import (
     RankCaches,
     ShardInfo,
 )
+from kiln.artifact.payload import payload_sha256
 from kiln.compiler import inlaunch, ranks
 from kiln.compiler.aoti_bake import dropped_cudagraphs
-from kiln.compiler.capture import capture, capture_bytecode, capture_tree, payload_sha256
+from kiln.compiler.capture import capture, capture_bytecode, capture_tree
 from kiln.compiler.dynamo_log import merge_breaks
 from kiln.compiler.launch import WorkerRun, run_worker
 from kiln.compiler.protocol import AotiBuild, WorkerRequest, input_stream
@@ -648,7 +649,7 @@ def _manifest(
         },
         files=files,
         # Extra field (manifests allow them): equal for two bakes that compiled the same thing,
-        # while the artifact digest also covers timings (kiln.compiler.capture explains).
+        # while the artifact digest also covers timings (kiln.artifact.payload explains).
         payload_sha256=payload_sha256(files),
         megacache=MEGACACHE_NAME if any(f.path == MEGACACHE_NAME for f in files) else None,
         precompiled=PRECOMPILED_NAME if any(f.path == PRECOMPILED_NAME for f in files) else None,

@@ -13,12 +13,7 @@ import sys
 from pathlib import Path, PurePosixPath
 
 from kiln.artifact.archive import sha256_file
-from kiln.artifact.manifest import FileEntry, Manifest
-from kiln.artifact.payload import BUNDLED_KINDS as BUNDLED_KINDS
-from kiln.artifact.payload import MEASURED_KINDS as MEASURED_KINDS
-from kiln.artifact.payload import payload_diff as payload_diff
-from kiln.artifact.payload import payload_lines as payload_lines
-from kiln.artifact.payload import payload_sha256 as payload_sha256
+from kiln.artifact.manifest import FileEntry
 from kiln.bytecode import header_problem, library_problem, pyc_path
 from kiln.serving import (
     AOTI_DIR,
@@ -145,36 +140,3 @@ def snapshot(cache_root: Path) -> set[str]:
             if not _skipped(name):
                 out.add((Path(dirpath) / name).relative_to(cache_root).as_posix())
     return out
-
-
-# --- reproducibility: the payload digest lives in kiln.artifact.payload (kiln merge needs it
-# without torch); re-exported here, where bake and the reproducibility check import it.
-# What a second bake must reproduce besides the payload: every manifest field but the
-# measurements (created, grid timings, pass wall times, totals) and the file list (compared above).
-_COMPARED_FIELDS = (
-    "kiln_version",
-    "name",
-    "spec_sha256",
-    "model_source_sha256",
-    "fingerprint",
-    "env",
-    "compile_kwargs",
-    "megacache",
-    "precompiled",
-    "warnings",
-)
-
-
-def compare(a: Manifest, b: Manifest) -> list[str]:
-    """What differs between two bakes, one line each, timings aside: empty means the second
-    bake reproduced the first (same inputs, same environment, same cache keys and code)."""
-    out = [f"{name} differs" for name in _COMPARED_FIELDS if getattr(a, name) != getattr(b, name)]
-    grid_a = [(s.key, s.compiles) for s in a.grid]
-    grid_b = [(s.key, s.compiles) for s in b.grid]
-    if grid_a != grid_b:
-        out.append(f"grid (bucket, compiles) differs: {grid_a} vs {grid_b}")
-    passes_a = [(p.order, p.compiles) for p in a.passes]
-    passes_b = [(p.order, p.compiles) for p in b.passes]
-    if passes_a != passes_b:
-        out.append(f"passes (order, compiles) differ: {passes_a} vs {passes_b}")
-    return out + payload_diff(a.files, b.files)
