@@ -32,7 +32,7 @@ from kiln.artifact.manifest import (
 from kiln.errors import IntegrityError, NotAnArtifactError, NotFoundError, UsageError
 from kiln.files import CHUNK, atomic_write
 
-SUFFIX = ".kiln.tar.zst"
+ARTIFACT_SUFFIX = ".kiln.tar.zst"  # NAME.kiln.tar.zst: an artifact or a bundle (the same format)
 # Every zstd frame starts with these bytes: a file without them is no artifact (nor bundle).
 ZSTD_MAGIC = b"\x28\xb5\x2f\xfd"
 NOT_ZSTD = (

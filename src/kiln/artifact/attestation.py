@@ -69,7 +69,6 @@ PREDICATE_TYPE = "https://slsa.dev/provenance/v1"
 # What a kiln bake is, as SLSA's buildType: a URN, since no page of kiln's own can be promised to
 # resolve forever; docs/signing.md documents the parameters it implies.
 BUILD_TYPE = "urn:torch-kiln:bake:v1"
-SUFFIX = ATTESTATION_SUFFIX
 MAX_ATTESTATION_BYTES = 16 << 20  # the spec is at most 1 MiB; the grid at most 4,096 keys
 MAX_ENVELOPES = 64  # lines in one .intoto.jsonl
 
@@ -92,7 +91,7 @@ _SUMMARY_KEYS = {
 def attestation_path(artifact: str | Path) -> Path:
     """Where an artifact's attestation lives: beside it, ``ARTIFACT.intoto.jsonl``."""
     p = Path(artifact)
-    return p.with_name(p.name + SUFFIX)
+    return p.with_name(p.name + ATTESTATION_SUFFIX)
 
 
 def default_location(source: str) -> str:
@@ -105,11 +104,11 @@ def default_location(source: str) -> str:
     """
     head, sep, _ = source.partition("://")
     if not sep:
-        return source + SUFFIX
+        return source + ATTESTATION_SUFFIX
     if head.lower() == "oci":
         return source
     parts = urllib.parse.urlsplit(source)
-    return urllib.parse.urlunsplit(parts._replace(path=parts.path + SUFFIX))
+    return urllib.parse.urlunsplit(parts._replace(path=parts.path + ATTESTATION_SUFFIX))
 
 
 # --- what the statement says ----------------------------------------------------------------

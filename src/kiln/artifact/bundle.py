@@ -35,7 +35,7 @@ from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationErr
 
 from kiln.artifact.archive import (
     _TAR_FAULTS,
-    SUFFIX,
+    ARTIFACT_SUFFIX,
     ZSTD_THREADS,
     CheckedReader,
     HashingWriter,
@@ -190,7 +190,7 @@ class BundleIndex(BaseModel):
 
 
 def member_path(name: str) -> str:
-    return f"{VARIANTS_DIR}/{name}{SUFFIX}"
+    return f"{VARIANTS_DIR}/{name}{ARTIFACT_SUFFIX}"
 
 
 # --- keys from manifests ------------------------------------------------------------------------
@@ -637,7 +637,7 @@ def split_bundle(path: str | Path, into: Path) -> list[tuple[Variant, Path]]:
                 member = _find(tar, index, variant)
                 src = tar.extractfile(member)
                 assert src is not None
-                target = into / f"{variant.name}{SUFFIX}"
+                target = into / f"{variant.name}{ARTIFACT_SUFFIX}"
                 with open(target, "xb") as dst:
                     digest = copy_hashing(src.read, dst)
                 if digest != (variant.sha256, variant.size):

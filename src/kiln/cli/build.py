@@ -75,6 +75,7 @@ def bake_cmd(
     quiet: bool = QUIET,
 ) -> None:
     """Compile SPEC's grid in an isolated cache root and write a deterministic artifact."""
+    from kiln.artifact.archive import ARTIFACT_SUFFIX
     from kiln.grid import Shard, expand, shard_grid
     from kiln.spec import load_spec
 
@@ -84,7 +85,7 @@ def bake_cmd(
     if sliced is not None:
         shard_grid(parsed, expand(parsed), sliced)  # a slice that cannot be: before torch
     suffix = sliced.suffix if sliced is not None else ""
-    target = out or Path(f"{parsed.name}{suffix}.kiln.tar.zst")
+    target = out or Path(f"{parsed.name}{suffix}{ARTIFACT_SUFFIX}")
     signing = _signing_key(sign_key)  # before compiling: a bad key costs a second, not a bake
     require_torch("bake")
     from kiln.compiler.bake import FollowerResult, bake
