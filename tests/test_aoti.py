@@ -17,9 +17,9 @@ from pydantic import ValidationError
 
 import kiln
 from kiln.artifact.manifest import Manifest
-from kiln.errors import UsageError
+from kiln.errors import SpecError, UsageError
 from kiln.factors import compare, misses
-from kiln.spec import SpecError, parse_spec
+from kiln.spec import parse_spec
 from tests.conftest import MODELS, mlp_spec
 
 

@@ -15,9 +15,9 @@ import pytest
 
 import kiln
 from kiln.compiler.check import compare_manifest
-from kiln.errors import UsageError
+from kiln.errors import SpecError, UsageError
 from kiln.grid import Shard, expand, shard_grid
-from kiln.spec import SpecError, load_spec
+from kiln.spec import load_spec
 
 ENCODER = """\
 import torch

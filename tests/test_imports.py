@@ -153,3 +153,74 @@ def test_every_name_kiln_imports_from_itself_exists() -> None:
                 except ModuleNotFoundError:
                     missing.append(f"{path.relative_to(ROOT)}:{line}: {module}.{name}")
     assert not missing, "\n".join(missing)
+
+
+def _bound_here(path: Path) -> tuple[set[str], set[str]]:
+    """The names ``path`` defines at module level (def, class, assignment: under ``if`` and
+    ``try`` too), and the names its ``__all__`` lists."""
+    defined: set[str] = set()
+    listed: set[str] = set()
+
+    def visit(body: list[ast.stmt]) -> None:
+        for stmt in body:
+            if isinstance(stmt, ast.FunctionDef | ast.AsyncFunctionDef | ast.ClassDef):
+                defined.add(stmt.name)
+            elif isinstance(stmt, ast.Assign | ast.AnnAssign | ast.AugAssign):
+                targets = stmt.targets if isinstance(stmt, ast.Assign) else [stmt.target]
+                for target in targets:
+                    defined.update(n.id for n in ast.walk(target) if isinstance(n, ast.Name))
+                if any(isinstance(t, ast.Name) and t.id == "__all__" for t in targets):
+                    listed.update(ast.literal_eval(stmt.value))  # type: ignore[arg-type]
+            elif isinstance(stmt, ast.If | ast.Try):
+                visit(stmt.body)
+                visit(stmt.orelse)
+                for handler in getattr(stmt, "handlers", []):
+                    visit(handler.body)
+
+    visit(ast.parse(path.read_text(), str(path)).body)
+    return defined, listed
+
+
+def _kiln_module_paths() -> dict[str, Path]:
+    return {_module_name(p, SRC): p for p in SRC.rglob("*.py")}
+
+
+def _imported_from_elsewhere(roots: list[Path], modules: dict[str, Path]) -> list[str]:
+    """Each ``from kiln.x import name`` where ``kiln.x`` neither defines ``name`` nor lists it
+    in an ``__all__`` (a package's public API), but only imports it: the reader is sent to a
+    module that is not the name's home."""
+    bound = {name: _bound_here(path) for name, path in modules.items()}
+    found = []
+    for root in roots:
+        for path in sorted(root.rglob("*.py")):
+            for line, module, name in _from_imports(path):
+                if module not in bound or f"{module}.{name}" in modules:
+                    continue  # not kiln's, or a submodule
+                defined, listed = bound[module]
+                if name not in defined | listed:
+                    found.append(f"{path}:{line}: {module}.{name}")
+    return found
+
+
+def test_each_name_is_imported_from_its_home() -> None:
+    """No re-export shims (issue 28): src, tests, scripts and examples import every kiln name
+    from the module that defines it, or from a package's declared API (``__all__``)."""
+    roots = [ROOT / d for d in ("src", "tests", "scripts", "examples")]
+    found = _imported_from_elsewhere(roots, _kiln_module_paths())
+    assert not found, "\n".join(found)
+
+
+def test_the_shim_finder_finds_a_shim(tmp_path: Path) -> None:
+    """The check above can fail: a name imported through a module that only imports it is
+    found; one the module defines, or its package lists in ``__all__``, is not."""
+    pkg = tmp_path / "kiln"
+    pkg.mkdir()
+    (pkg / "__init__.py").write_text("from kiln.home import g\n__all__ = ['g']\n")
+    (pkg / "home.py").write_text("def g(): ...\nif True:\n    H = 1\n")
+    (pkg / "shim.py").write_text("from kiln.home import H, g\n")
+    (pkg / "user.py").write_text(
+        "from kiln import g\nfrom kiln.home import H\ndef f():\n    from kiln.shim import H, g\n"
+    )
+    modules = {_module_name(p, tmp_path): p for p in pkg.rglob("*.py")}
+    found = _imported_from_elsewhere([pkg], modules)
+    assert [f.rpartition(": ")[2] for f in found] == ["kiln.shim.H", "kiln.shim.g"]

@@ -301,7 +301,7 @@ def _file(path: str, data: bytes, kind: str = "code") -> FileEntry:
 
 
 def test_store_once_serves_a_rank_with_rank_0s_keys_from_rank_0s_files() -> None:
-    from kiln.compiler.ranks import store_once
+    from kiln.artifact.ranks_layout import store_once
 
     def rank(r: int, entry: bytes, so: bytes) -> list[FileEntry]:
         return [

@@ -22,13 +22,13 @@ from typing import Any, BinaryIO, Protocol, TypeVar
 import zstandard
 
 from kiln.artifact.archive import open_tar_stream, read_manifest_member
-from kiln.artifact.manifest import MANIFEST_NAME, FileEntry, Manifest, path_problem
+from kiln.artifact.manifest import FileEntry, Manifest, path_problem
 from kiln.artifact.swap import STAGING_INFIX
 from kiln.bytecode import header_problem
 from kiln.errors import IntegrityError, KilnError
 from kiln.events import EventSink, Extracting
 from kiln.files import CHUNK
-from kiln.serving import ENV_NAME, LOCKS_TARGET, STATE_NAME, lock_links
+from kiln.serving import ENV_NAME, LOCKS_TARGET, MANIFEST_NAME, STATE_NAME, lock_links
 
 _QUEUE = 16  # chunks in flight between the decompressing and the writing thread
 _HEADROOM = 1 << 20

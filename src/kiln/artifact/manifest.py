@@ -41,7 +41,6 @@ from kiln.serving import (
     env_key_problem,
     env_value_problem,
 )
-from kiln.serving import MANIFEST_NAME as MANIFEST_NAME  # re-exported: imported from here
 
 FORMAT_VERSION = 2  # the newest format this kiln reads
 # Format 2 adds ``distributed`` and ``copies``: a kiln that reads only format 1 would ignore

@@ -3,7 +3,7 @@
 A bake (:mod:`kiln.compiler.bake`) and ``kiln merge`` (:mod:`kiln.artifact.merge`) both end
 with every rank's files under ``ranks/R/`` and must decide the same way what the archive
 stores once: merge runs in the torch-free restore image, so the rule lives here, in the
-artifact world, and :mod:`kiln.compiler.ranks` re-exports it.
+artifact world.
 """
 
 from __future__ import annotations

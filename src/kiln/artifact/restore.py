@@ -29,16 +29,13 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from kiln.artifact.archive import (
-    MAX_MANIFEST_BYTES,
-    parse_manifest,
-)
+from kiln.artifact.archive import parse_manifest
 from kiln.artifact.attestation import AttestationCheck, verify_attestation
 from kiln.artifact.bundle import Candidate, Choice, Selector, check_variant, key_of, unpack
 from kiln.artifact.drift import Changes, changes, stamp
 from kiln.artifact.extract import HashingReader, check_stage, extract, require_space
 from kiln.artifact.machine import Machine
-from kiln.artifact.manifest import MANIFEST_NAME, FileEntry, Manifest
+from kiln.artifact.manifest import MAX_MANIFEST_BYTES, FileEntry, Manifest
 from kiln.artifact.oci_layout import variant_select
 from kiln.artifact.relocate import relocate_groups
 from kiln.artifact.storage import DEFAULT_TIMEOUT, check_timeout, fetch, is_remote, parse_digest
@@ -50,6 +47,7 @@ from kiln.serving import (
     ENV_NAME,
     INDUCTOR_DIR,
     LOCKS_TARGET,
+    MANIFEST_NAME,
     RANKS_DIR,
     STATE_NAME,
     env_file_text,

@@ -53,7 +53,8 @@ from kiln.artifact.manifest import (
     ShardInfo,
 )
 from kiln.artifact.payload import payload_sha256
-from kiln.compiler import inlaunch, ranks
+from kiln.artifact.ranks_layout import Stored, store_once
+from kiln.compiler import inlaunch
 from kiln.compiler.aoti_bake import dropped_cudagraphs
 from kiln.compiler.capture import capture, capture_bytecode, capture_tree
 from kiln.compiler.dynamo_log import merge_breaks
@@ -215,9 +216,9 @@ def bake(
     )
 
 
-def _capture(spec: Spec, work: Path) -> tuple[list[FileEntry], ranks.Stored | None]:
+def _capture(spec: Spec, work: Path) -> tuple[list[FileEntry], Stored | None]:
     """The files of ``work``'s layout; for K ranks, each rank's under ``ranks/R/``, stored once
-    where ranks share them (:func:`kiln.compiler.ranks.store_once`; the rest are copies)."""
+    where ranks share them (:func:`kiln.artifact.ranks_layout.store_once`; the rest are copies)."""
     aoti = spec.compile.route == "aoti"  # the packages are the whole payload: no cache folder
     if spec.distributed is None:
         files = capture_tree(work / AOTI_DIR, AOTI_DIR) if aoti else capture(work)
@@ -229,13 +230,11 @@ def _capture(spec: Spec, work: Path) -> tuple[list[FileEntry], ranks.Stored | No
         folder = rank_dir(work, rank)
         entries = capture_tree(folder / AOTI_DIR, AOTI_DIR) if aoti else capture(folder)
         by_rank.append([e.model_copy(update={"path": prefix + e.path}) for e in entries])
-    stored = ranks.store_once(by_rank)
+    stored = store_once(by_rank)
     return stored.files, stored
 
 
-def _with_ranks(
-    spec: Spec, manifest: Manifest, runs: list[WorkerRun], stored: ranks.Stored
-) -> Manifest:
+def _with_ranks(spec: Spec, manifest: Manifest, runs: list[WorkerRun], stored: Stored) -> Manifest:
     """``manifest`` as a K-rank artifact (format 2): every rank's fingerprint, grid, passes and
     blobs, and the copies; the top-level fields are rank 0's."""
     assert spec.distributed is not None
@@ -329,7 +328,7 @@ class _Baker:
     pass_stats: list[PassStats] = field(default_factory=list)
     # The files capture() found, and after how many passes: only a pass changes the work
     # folder (the proof serves a copy elsewhere), so a proven bake hashes its cache once.
-    _captured: tuple[int, tuple[list[FileEntry], ranks.Stored | None]] | None = None
+    _captured: tuple[int, tuple[list[FileEntry], Stored | None]] | None = None
     _bytecode: Bytecode | None = None
 
     def __post_init__(self) -> None:

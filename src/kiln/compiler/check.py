@@ -17,9 +17,9 @@ from typing import Any
 
 from kiln.artifact.archive import read_manifest
 from kiln.artifact.manifest import Manifest
-from kiln.compiler.fingerprint import Factor, compare, misses
 from kiln.compiler.location import location_factor, private_inductor_dir
 from kiln.errors import IncompatibleError
+from kiln.factors import Factor, compare, misses
 
 
 @dataclass

@@ -5,7 +5,7 @@ whole Inductor config and some environment variables. A pod that differs in any 
 recompiles without a word. We record each factor separately (not one opaque hash) so that
 ``kiln check`` can *name* what differs and say whether it causes misses — ccache's "explain
 yourself" standard. :func:`fingerprint` needs torch; comparing two fingerprints is torch-free
-and lives in :mod:`kiln.factors` (re-exported here), so ``kiln merge`` can judge shards without it.
+and lives in :mod:`kiln.factors`, so ``kiln merge`` can judge shards without it.
 """
 
 from __future__ import annotations
@@ -15,11 +15,6 @@ import os
 import platform
 from typing import Any
 
-from kiln.factors import INFO_FACTORS as INFO_FACTORS  # re-exported: imported from here
-from kiln.factors import KEY_FACTORS as KEY_FACTORS
-from kiln.factors import Factor as Factor
-from kiln.factors import compare as compare
-from kiln.factors import misses as misses
 from kiln.serving import CACHE_LOCATION_VARS
 
 # Environment that changes compiled code or cache keys. Cache *locations* are excluded on

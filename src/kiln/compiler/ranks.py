@@ -27,9 +27,6 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from kiln.artifact.ranks_layout import Stored as Stored  # re-exported: bake imports it here
-from kiln.artifact.ranks_layout import same_compile as same_compile
-from kiln.artifact.ranks_layout import store_once as store_once
 from kiln.compiler.protocol import WorkerRequest
 from kiln.serving import rank_dir
 from kiln.spec import RANK_KWARGS, Spec
