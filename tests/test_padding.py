@@ -256,9 +256,9 @@ def served(on_miss: str = "error", keep=(), calls=None):  # type: ignore[no-unty
 
 
 def close(a, b) -> bool:  # type: ignore[no-untyped-def]
-    from kiln.compiler.padded import _leaves
+    from kiln.compiler.padded import tensor_leaves
 
-    la, lb = dict(_leaves(a)), dict(_leaves(b))
+    la, lb = dict(tensor_leaves(a)), dict(tensor_leaves(b))
     return la.keys() == lb.keys() and all(
         la[k].shape == lb[k].shape and torch.equal(la[k], lb[k]) for k in la
     )

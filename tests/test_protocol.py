@@ -19,9 +19,16 @@ from kiln.artifact.manifest import NEW_FILES_SAMPLE, BucketStats, CompileCounts
 from kiln.cli.output import Output
 from kiln.compiler.bench import ALL_MODES, EXTRA_MODES, MODES
 from kiln.compiler.counters import CompileCounters, compile_counts
-from kiln.compiler.process import HEARTBEAT_S, heartbeat_interval, relay_events
+from kiln.compiler.process import (
+    HEARTBEAT_S,
+    LOG_TAIL,
+    WorkerError,
+    failure_error,
+    heartbeat_interval,
+    relay_events,
+)
 from kiln.compiler.protocol import WorkerFailure, WorkerOutcome, WorkerRequest
-from kiln.errors import ExitCode, UsageError
+from kiln.errors import ExitCode, IncompatibleError, SpecError, UsageError
 from kiln.events import (
     WORKER_EVENTS,
     BucketDone,
@@ -89,6 +96,22 @@ def test_worker_outcome_holds_a_result_or_a_failure() -> None:
         WorkerOutcome()
     with pytest.raises(ValidationError):
         WorkerFailure(kind="oops", message="x")  # type: ignore[arg-type]
+
+
+def test_a_worker_failure_becomes_kiln_s_error_for_it(write_spec) -> None:
+    """One mapping for the grid worker and replay's process (kiln.compiler.process): the spec's
+    failure at its key (exit 2), an incompatibility (exit 5), anything else exit 1 with the
+    last LOG_TAIL lines of the worker's log."""
+    spec = load_spec(write_spec(mlp_spec()))
+    log = "\n".join(f"line {i}" for i in range(40))
+    at_key = failure_error(spec, WorkerFailure(kind="spec", key="model.kwargs", message="bad"), log)
+    assert isinstance(at_key, SpecError) and at_key.exit_code == ExitCode.USAGE
+    assert str(at_key).startswith(f"{spec.path}:4:") and "bad" in str(at_key)
+    other = failure_error(spec, WorkerFailure(kind="incompatible", message="no GPU"), log)
+    assert isinstance(other, IncompatibleError) and str(other) == "no GPU"
+    crash = failure_error(spec, WorkerFailure(kind="internal", message="boom"), log)
+    assert isinstance(crash, WorkerError) and crash.exit_code == ExitCode.INTERNAL
+    assert str(crash).splitlines() == ["boom", *(f"line {i}" for i in range(40 - LOG_TAIL, 40))]
 
 
 # --- counters ------------------------------------------------------------------------------------

@@ -48,7 +48,7 @@ ZSTD_THREADS = 2
 MAX_HEADER_BYTES = 64 << 10
 # What tarfile may raise on malformed input besides TarError (a PAX number that does not parse,
 # an over-long header chain, ...): all of it means a corrupt archive, never a bug in kiln.
-_TAR_FAULTS = (
+TAR_FAULTS = (
     tarfile.TarError,
     zstandard.ZstdError,
     EOFError,
@@ -207,7 +207,7 @@ class _BoundedTarFile(tarfile.TarFile):
         reader.why = f"a tar header is larger than {MAX_HEADER_BYTES} bytes"
         try:
             member = super().next()
-        except _TAR_FAULTS as exc:
+        except TAR_FAULTS as exc:
             if self.offset == 0:  # not even a first header: zstd data, but no tar in it
                 raise NotAnArtifactError(
                     f"not a kiln artifact (zstd, but not a tar: {exc})"
@@ -278,7 +278,7 @@ def open_tar_stream(fh: IO[bytes]) -> Iterator[tarfile.TarFile]:
                 format=tarfile.PAX_FORMAT,
                 reader=reader,
             )
-        except _TAR_FAULTS as exc:
+        except TAR_FAULTS as exc:
             raise NotAnArtifactError(f"not a kiln artifact (zstd, but not a tar: {exc})") from None
         with tar:
             yield tar
@@ -322,7 +322,7 @@ def read_index_bytes(tar: tarfile.TarFile, member: tarfile.TarInfo, limit: int, 
     assert fh is not None
     try:
         return fh.read()
-    except _TAR_FAULTS as exc:
+    except TAR_FAULTS as exc:
         raise IntegrityError(f"{what} truncated in {member.name}: {exc}") from None
 
 
@@ -368,5 +368,5 @@ def read_manifest(path: str | Path) -> Manifest:
     try:
         with naming(p), open(p, "rb") as fh, open_tar_stream(fh) as tar:
             return read_manifest_member(tar)
-    except _TAR_FAULTS as exc:
+    except TAR_FAULTS as exc:
         raise IntegrityError(f"{p}: not a readable kiln artifact: {exc}") from None

@@ -34,8 +34,8 @@ import zstandard
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from kiln.artifact.archive import (
-    _TAR_FAULTS,
     ARTIFACT_SUFFIX,
+    TAR_FAULTS,
     ZSTD_THREADS,
     CheckedReader,
     HashingWriter,
@@ -400,7 +400,7 @@ def read_head(path: str | Path) -> Manifest | BundleIndex:
     try:
         with naming(p), open(p, "rb") as fh, open_tar_stream(fh) as tar:
             return _head(tar)
-    except _TAR_FAULTS as exc:
+    except TAR_FAULTS as exc:
         raise IntegrityError(f"{p}: not a readable kiln artifact: {exc}") from None
 
 

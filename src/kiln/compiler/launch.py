@@ -7,7 +7,8 @@ worker's progress events as they arrive, sends a :class:`~kiln.events.Heartbeat`
 stays silent (a long compile in a piped CI log otherwise looks hung), and returns a
 :class:`WorkerRun`: the parsed :class:`~kiln.compiler.protocol.WorkerResult` and the wall-clock
 times around it. A failure becomes kiln's error for it: the spec's (exit 2, at its key), an
-incompatibility (exit 5), or a :class:`WorkerError` with the tail of torch's log.
+incompatibility (exit 5), or a :class:`~kiln.compiler.process.WorkerError` with the tail of
+torch's log (:func:`kiln.compiler.process.failure_error`).
 """
 
 from __future__ import annotations
@@ -21,14 +22,21 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from kiln.compiler import inlaunch, ranks
-from kiln.compiler.process import heartbeat_interval, read_outcome, spawn, worker_command
+from kiln.compiler.process import (
+    WorkerError,
+    failure_error,
+    heartbeat_interval,
+    log_tail,
+    read_outcome,
+    spawn,
+    worker_command,
+)
 from kiln.compiler.protocol import WorkerFailure, WorkerOutcome, WorkerRequest, WorkerResult
-from kiln.errors import IncompatibleError, KilnError, UsageError
+from kiln.errors import UsageError
 from kiln.events import EventSink
 from kiln.serving import worker_env
-from kiln.spec import Spec, error_at
+from kiln.spec import Spec
 
-_LOG_TAIL = 15  # lines of the worker's stderr shown with an error
 # What torch's CPU wheel says at import when numpy is absent. kiln never hands torch a numpy
 # array, so it is noise on every command that imports torch.
 NUMPY_WARNING = "Failed to initialize NumPy"
@@ -79,10 +87,6 @@ class WorkerRun:
         return self.ended - self.spawned
 
 
-class WorkerError(KilnError):
-    """The worker failed in a way that is not the spec's or the environment's (exit 1)."""
-
-
 def run_worker(
     spec: Spec,
     request: WorkerRequest,
@@ -128,7 +132,7 @@ def run_worker(
     missing = [i for i, o in enumerate(outcomes) if o is None]
     if missing:
         who = f"rank {missing[0]} of {world}" if world else "worker"
-        raise WorkerError(f"{who} {_death(returncode)}:\n{_tail(log)}")
+        raise WorkerError(f"{who} {_death(returncode)}:\n{log_tail(log)}")
     results = tuple(o.result for o in outcomes if o is not None and o.result is not None)
     return WorkerRun(
         result=results[0],
@@ -183,20 +187,7 @@ def private_tmp(folder: Path) -> Path:
 def _raise(spec: Spec, failure: WorkerFailure, log: str, where: str) -> WorkerRun:
     if failure.kind != "spec" and where:
         failure = failure.model_copy(update={"message": where + failure.message})
-    raise _error(spec, failure, log)
-
-
-def _error(spec: Spec, failure: WorkerFailure, log: str) -> KilnError:
-    """kiln's error for what the worker reported."""
-    if failure.kind == "spec":
-        return error_at(spec, failure.key or "", failure.message)
-    if failure.kind == "incompatible":
-        return IncompatibleError(failure.message)
-    return WorkerError(f"{failure.message}\n{_tail(log)}".strip())
-
-
-def _tail(log: str) -> str:
-    return "\n".join(log.strip().splitlines()[-_LOG_TAIL:])
+    raise failure_error(spec, failure, log)
 
 
 def _death(returncode: int) -> str:

@@ -190,7 +190,7 @@ class PaddedModel:
         kwargs: dict[str, Any],
     ) -> Any:
         """``out`` with every dimension that carried a grown axis sliced to the request's size."""
-        leaves = list(_leaves(out))
+        leaves = list(tensor_leaves(out))
         point = tuple(bucket[a] for a in self.grid.axes)
         carriers = []
         for axis in grown:
@@ -242,7 +242,7 @@ class PaddedModel:
                         shape = self.grid.shape_of(inp, moved)
                         fake[inp.name] = torch.empty(shape, dtype=real.dtype, device=real.device)
                 out = self.model(**fake)
-                shapes = {p: tuple(t.shape) for p, t in _leaves(out)}
+                shapes = {p: tuple(t.shape) for p, t in tensor_leaves(out)}
         except Exception as exc:  # the model does something fake tensors cannot (data access)
             self._warn_once(
                 f"probe:{axis}",
@@ -304,7 +304,7 @@ def _pad(tensor: Any, shape: tuple[int, ...], value: Any) -> Any:
     return out
 
 
-def _leaves(obj: Any, path: Path = ()) -> Iterator[tuple[Path, Any]]:
+def tensor_leaves(obj: Any, path: Path = ()) -> Iterator[tuple[Path, Any]]:
     """Every tensor in an output, with its path."""
     import torch
 
@@ -312,13 +312,13 @@ def _leaves(obj: Any, path: Path = ()) -> Iterator[tuple[Path, Any]]:
         yield path, obj
     elif isinstance(obj, dict):
         for k, v in obj.items():
-            yield from _leaves(v, (*path, str(k)))
+            yield from tensor_leaves(v, (*path, str(k)))
     elif isinstance(obj, (tuple, list)):
         for i, v in enumerate(obj):
-            yield from _leaves(v, (*path, str(i)))
+            yield from tensor_leaves(v, (*path, str(i)))
     elif dataclasses.is_dataclass(obj) and not isinstance(obj, type):
         for f in dataclasses.fields(obj):
-            yield from _leaves(getattr(obj, f.name), (*path, f.name))
+            yield from tensor_leaves(getattr(obj, f.name), (*path, f.name))
 
 
 def _rebuild(obj: Any, path: Path, targets: dict[Path, list[int | None]]) -> Any:

@@ -5,7 +5,9 @@ of a user's launch, and its followers) share.
 :func:`spawn` runs a command in its own process group and relays the worker's progress events
 (:func:`relay_events`), with a :class:`~kiln.events.Heartbeat` while a step stays silent; it
 kills the whole group when interrupted, so nothing keeps writing into a folder about to be
-removed. :func:`read_outcome` reads what the worker left. Neither knows about specs or ranks.
+removed. :func:`read_outcome` reads what the worker left. Neither knows about specs or ranks;
+:func:`failure_error` then turns a reported failure into kiln's error for it (the spec's, at its
+key), which replay's process shares with the grid worker's.
 """
 
 from __future__ import annotations
@@ -22,8 +24,8 @@ from typing import IO
 
 from pydantic import ValidationError
 
-from kiln.compiler.protocol import WorkerOutcome
-from kiln.errors import UsageError
+from kiln.compiler.protocol import WorkerFailure, WorkerOutcome
+from kiln.errors import IncompatibleError, KilnError, UsageError
 from kiln.events import (
     WORKER_EVENTS,
     BucketDone,
@@ -35,9 +37,11 @@ from kiln.events import (
     WorkerStarted,
     ignore,
 )
+from kiln.spec import Spec, error_at
 
 HEARTBEAT_ENV = "KILN_HEARTBEAT_S"
 HEARTBEAT_S = 15.0  # default: often enough for a CI log, rare enough not to drown it
+LOG_TAIL = 15  # lines of the worker's stderr shown with an error
 
 
 def heartbeat_interval() -> float | None:
@@ -61,6 +65,25 @@ def worker_command(args: list[str]) -> list[str]:
 def read_outcome(path: Path) -> WorkerOutcome | None:
     """What the worker left; None when it died before writing it."""
     return WorkerOutcome.model_validate_json(path.read_bytes()) if path.exists() else None
+
+
+class WorkerError(KilnError):
+    """The worker failed in a way that is not the spec's or the environment's (exit 1)."""
+
+
+def failure_error(spec: Spec, failure: WorkerFailure, log: str) -> KilnError:
+    """kiln's error for what the worker reported: the spec's (exit 2, at its key), an
+    incompatibility (exit 5), or a :class:`WorkerError` with the tail of its log."""
+    if failure.kind == "spec":
+        return error_at(spec, failure.key or "", failure.message)
+    if failure.kind == "incompatible":
+        return IncompatibleError(failure.message)
+    return WorkerError(f"{failure.message}\n{log_tail(log)}".strip())
+
+
+def log_tail(log: str) -> str:
+    """The last :data:`LOG_TAIL` lines of a worker's stderr: what an error shows of it."""
+    return "\n".join(log.strip().splitlines()[-LOG_TAIL:])
 
 
 def spawn(

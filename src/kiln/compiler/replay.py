@@ -29,8 +29,7 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from kiln.artifact.archive import read_manifest
 from kiln.compiler.counters import CompileCounters
-from kiln.compiler.launch import WorkerError, _error, _tail
-from kiln.compiler.process import heartbeat_interval, spawn
+from kiln.compiler.process import WorkerError, failure_error, heartbeat_interval, log_tail, spawn
 from kiln.compiler.protocol import WorkerFailure
 from kiln.compiler.verify import check_world_size
 from kiln.compiler.writes import Watch
@@ -264,10 +263,10 @@ def _run(
         log = (folder / "stderr.log").read_text(errors="replace")
         path = folder / "outcome.json"
         if not path.exists():
-            raise WorkerError(f"replay process died with exit code {code}:\n{_tail(log)}")
+            raise WorkerError(f"replay process died with exit code {code}:\n{log_tail(log)}")
         outcome = ReplayOutcome.model_validate_json(path.read_bytes())
     if outcome.failure is not None:
-        raise _error(spec, outcome.failure, log)
+        raise failure_error(spec, outcome.failure, log)
     assert outcome.result is not None
     return outcome.result
 
@@ -374,7 +373,7 @@ class _Replayer:
     def serve(self, sizes: list[int], seed: int) -> RequestRecord:
         from kiln.compiler.counters import compile_counts
         from kiln.compiler.model_import import make_inputs
-        from kiln.compiler.padded import _leaves
+        from kiln.compiler.padded import tensor_leaves
         from kiln.grid import Bucket
 
         bucket = Bucket(tuple(zip(self.spec.buckets, sizes, strict=True)))
@@ -411,7 +410,7 @@ class _Replayer:
             self.sync()
             eager_s = time.perf_counter() - t0
             if out is not None:
-                diff = _max_abs_diff(dict(_leaves(out)), dict(_leaves(ref)))
+                diff = _max_abs_diff(dict(tensor_leaves(out)), dict(tensor_leaves(ref)))
         return RequestRecord(
             key=bucket.key,
             bucket=shape_key(at) if at is not None else None,
