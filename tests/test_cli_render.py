@@ -14,9 +14,9 @@ from pathlib import Path
 import pytest
 from rich.console import Console
 
-from kiln.artifact.manifest import BucketStats
+from kiln.artifact.manifest import WORK_KINDS, BucketStats
 from kiln.cli.output import report_error
-from kiln.cli.render import bench_view, factor, ms, verify_failure
+from kiln.cli.render import bench_view, factor, ms, verify_failure, work_cell
 from kiln.compiler.bench import BenchReport, ModeResult
 from kiln.compiler.verify import VerifyReport, explain
 from kiln.errors import VerificationError
@@ -323,3 +323,13 @@ def test_verify_with_another_spec_names_keys_and_off_grid_buckets(baked, tmp_pat
     )
     assert "batch=7: " in proc.stderr
     assert "batch=7 is not in the baked grid (batch: 2, 3, 5)" in proc.stderr
+
+
+def test_a_work_cell_names_each_kind_of_compile_work_by_its_word() -> None:
+    """What ``compiles`` adds up and what bench's table names come from one list (WORK_KINDS):
+    a kind of work counted is a kind shown, in the list's order, zeros left out."""
+    work = dict.fromkeys(WORK_KINDS, 0) | {"launchers": 2, "fx_misses": 1, "written": 4}
+    assert work_cell(work) == "7: 1 FX, 2 gcc, 4 written"
+    assert work_cell(dict.fromkeys(WORK_KINDS, 0)) == "0"
+    bucket = BucketStats(key="b=1", sizes={"b": 1}, first_call_s=0, steady_s=0, **work)
+    assert bucket.compiles == 7

@@ -4,6 +4,7 @@ progress as a piped log shows it (issue 16; issue 17 item 4)."""
 from __future__ import annotations
 
 import ast
+import dataclasses
 import io
 import os
 import subprocess
@@ -179,6 +180,17 @@ def test_bucket_compiles_count_what_a_step_built() -> None:
     assert stats.compiles == 1 + 1 + 8 + 1  # FX miss, binary, autotunes, precompile miss
     many = CompileCounts(new_files=[f"{i}.so" for i in range(10)])
     assert len((many + many).new_files) == NEW_FILES_SAMPLE
+
+
+def test_counts_named_alike_are_carried_as_measured() -> None:
+    """Every count the manifest's CompileCounts shares by name with CompileCounters is the
+    measured difference itself (one name, one meaning, on both sides of the process boundary)."""
+    fields = dataclasses.fields(CompileCounters)
+    diff = CompileCounters(**{f.name: i + 1 for i, f in enumerate(fields)})
+    counts = compile_counts(diff, set())
+    shared = {f.name for f in fields} & set(CompileCounts.model_fields)
+    assert shared >= {"fx_hits", "fx_misses", "aot_misses", "kernel_loads", "compile_s"}
+    assert {n: getattr(counts, n) for n in shared} == {n: getattr(diff, n) for n in shared}
 
 
 # --- events --------------------------------------------------------------------------------------

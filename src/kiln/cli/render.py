@@ -15,7 +15,7 @@ from rich.measure import Measurement
 from rich.table import Table
 from rich.text import Text
 
-from kiln.artifact.manifest import BucketStats, GraphBreak, Manifest
+from kiln.artifact.manifest import WORK_KINDS, BucketStats, GraphBreak, Manifest
 from kiln.cli.output import esc, plain, visible
 
 if TYPE_CHECKING:
@@ -339,25 +339,10 @@ def bench_table(report: BenchReport) -> Table:
     return table
 
 
-_WORK_WORDS = {
-    "fx_misses": "FX",
-    "fx_bypass": "FX bypass",
-    "aot_misses": "AOT",
-    "precompile_misses": "precompiled miss",
-    "new_native": "kernel bin",
-    "launchers": "gcc",
-    "autotunes": "autotune",
-    "kernel_tunings": "tuned",
-    "written": "written",
-}
-
-
 def work_cell(work: dict[str, int]) -> str:
     """A mode's compile work: the total, then each kind that is not zero (``3: 2 gcc, 1 FX``)."""
     total = sum(work.values())
-    kinds = ", ".join(
-        f"{n} {_WORD}" for kind, n in work.items() if n for _WORD in [_WORK_WORDS[kind]]
-    )
+    kinds = ", ".join(f"{n} {WORK_KINDS[kind]}" for kind, n in work.items() if n)
     return f"{total}: {kinds}" if kinds else str(total)
 
 

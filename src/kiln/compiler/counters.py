@@ -12,7 +12,7 @@ from __future__ import annotations
 import dataclasses
 import sys
 from collections.abc import Collection, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from kiln.artifact.manifest import MAX_FRAMES, NEW_FILES_SAMPLE, CompileCounts
@@ -26,40 +26,35 @@ _TUNING_STEPS = (
     "CachingAutotuner.combo_sequential_autotune",
 )
 
-# torch's counter group and name for each field (torch._dynamo.utils.counters[group][name]).
-_SOURCES: dict[str, tuple[str, str]] = {
-    "fx_hits": ("inductor", "fxgraph_cache_hit"),
-    "fx_misses": ("inductor", "fxgraph_cache_miss"),
-    "fx_bypass": ("inductor", "fxgraph_cache_bypass"),
-    "aot_hits": ("aot_autograd", "autograd_cache_hit"),
-    "aot_misses": ("aot_autograd", "autograd_cache_miss"),
-    # Kernels handed to AsyncCompile: in a fresh process that is every kernel *loaded*, hit or
-    # not (torch bumps "async_compile_cache_miss" before looking anything up).
-    "kernel_loads": ("inductor", "async_compile_cache_miss"),
-    # Triton kernels re-emitted from FX cache entries: loads, not compiles.
-    "bundled_kernels": ("inductor", "triton_bundler_read_and_emit_kernel"),
-    "gemm_autotunes": ("inductor", "select_algorithm_autotune"),
-    "coordesc_benchmarks": ("inductor", "coordesc_tuning_bench"),
-    "unique_graphs": ("stats", "unique_graphs"),
-}
+_TORCH = "torch"  # the field metadata key naming a field's counter in torch
+
+
+def _counter(group: str, name: str) -> Any:
+    """A field :meth:`CompileCounters.read` takes from ``torch._dynamo.utils.counters[group]
+    [name]``: the field and the counter it reads are written once, side by side."""
+    return field(default=0, metadata={_TORCH: (group, name)})
 
 
 @dataclass(frozen=True)
 class CompileCounters:
     """Process-wide totals of torch's compile counters (:meth:`read`), or a difference of two."""
 
-    fx_hits: int = 0
-    fx_misses: int = 0
-    fx_bypass: int = 0
-    aot_hits: int = 0
-    aot_misses: int = 0
-    kernel_loads: int = 0
-    bundled_kernels: int = 0
-    gemm_autotunes: int = 0
-    coordesc_benchmarks: int = 0
-    kernel_tunings: int = 0
-    unique_graphs: int = 0
-    graph_breaks: int = 0
+    fx_hits: int = _counter("inductor", "fxgraph_cache_hit")
+    fx_misses: int = _counter("inductor", "fxgraph_cache_miss")
+    fx_bypass: int = _counter("inductor", "fxgraph_cache_bypass")
+    aot_hits: int = _counter("aot_autograd", "autograd_cache_hit")
+    aot_misses: int = _counter("aot_autograd", "autograd_cache_miss")
+    # Kernels handed to AsyncCompile: in a fresh process that is every kernel *loaded*, hit or
+    # not (torch bumps "async_compile_cache_miss" before looking anything up).
+    kernel_loads: int = _counter("inductor", "async_compile_cache_miss")
+    # Triton kernels re-emitted from FX cache entries: loads, not compiles.
+    bundled_kernels: int = _counter("inductor", "triton_bundler_read_and_emit_kernel")
+    gemm_autotunes: int = _counter("inductor", "select_algorithm_autotune")
+    coordesc_benchmarks: int = _counter("inductor", "coordesc_tuning_bench")
+    unique_graphs: int = _counter("stats", "unique_graphs")
+    # Read from elsewhere by read():
+    kernel_tunings: int = 0  # runs of the _TUNING_STEPS
+    graph_breaks: int = 0  # every graph_break counter, summed
     compile_s: float = 0.0  # Dynamo's compile_inner time: tracing plus everything below it
 
     @classmethod
@@ -72,7 +67,10 @@ class CompileCounters:
         from torch._dynamo.utils import compilation_time_metrics, counters
 
         values: dict[str, Any] = {
-            name: counters.get(group, {}).get(key, 0) for name, (group, key) in _SOURCES.items()
+            f.name: counters.get(group, {}).get(key, 0)
+            for f in dataclasses.fields(cls)
+            if f.metadata
+            for group, key in [f.metadata[_TORCH]]
         }
         values["graph_breaks"] = sum(counters.get("graph_break", {}).values())
         values["compile_s"] = float(sum(compilation_time_metrics.get("_compile.compile_inner", [])))
@@ -112,14 +110,7 @@ def compile_counts(
         kinds[kind_of(name)] += 1
     native, tuned = kinds[KERNEL], kinds[TUNING]
     return CompileCounts(
-        compile_s=diff.compile_s,
-        fx_hits=diff.fx_hits,
-        fx_misses=diff.fx_misses,
-        fx_bypass=diff.fx_bypass,
-        aot_hits=diff.aot_hits,
-        aot_misses=diff.aot_misses,
-        kernel_loads=diff.kernel_loads,
-        bundled_kernels=diff.bundled_kernels,
+        **_shared(diff),
         # A bundled kernel is written out of an FX entry: a load, even though a file appears.
         new_native=max(0, native - diff.bundled_kernels),
         # An FX cache hit *replays* the inductor counters its compile recorded
@@ -129,13 +120,20 @@ def compile_counts(
         autotunes=(diff.gemm_autotunes if diff.graphs_compiled else 0)
         + diff.coordesc_benchmarks
         + tuned,
-        kernel_tunings=diff.kernel_tunings,
         launchers=kinds[LAUNCHER],
         written=kinds[OTHER] if served else 0,
-        unique_graphs=diff.unique_graphs,
-        graph_breaks=diff.graph_breaks,
         precompile_misses=precompile_misses,
         recompile_reasons=list(recompile_reasons),
         frames=list(frames)[:MAX_FRAMES],
         new_files=sorted(n for n in new_files if served or kind_of(n) != OTHER)[:NEW_FILES_SAMPLE],
     )
+
+
+def _shared(diff: CompileCounters) -> dict[str, Any]:
+    """The counts both records name alike (fx_hits, compile_s, ...), taken as they are: a field
+    added to both is carried without a third list of names to keep in step."""
+    return {
+        f.name: getattr(diff, f.name)
+        for f in dataclasses.fields(diff)
+        if f.name in CompileCounts.model_fields
+    }
