@@ -301,7 +301,7 @@ def _file(path: str, data: bytes, kind: str = "code") -> FileEntry:
 
 
 def test_store_once_serves_a_rank_with_rank_0s_keys_from_rank_0s_files() -> None:
-    from kiln.artifact.ranks_layout import store_once
+    from kiln.artifact.rank_copies import store_once
 
     def rank(r: int, entry: bytes, so: bytes) -> list[FileEntry]:
         return [
@@ -652,7 +652,7 @@ def rank_shard(
     ``extra`` in every rank's folder."""
     from kiln.artifact.archive import write_artifact
     from kiln.artifact.manifest import BucketStats, PassStats, ShardInfo
-    from kiln.artifact.ranks_layout import store_once
+    from kiln.artifact.rank_copies import store_once
     from kiln.grid import Shard, expand, shard_buckets
     from kiln.spec import load_spec
     from tests.test_merge import megacache_blob

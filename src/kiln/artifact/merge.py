@@ -23,7 +23,7 @@ Multi-rank (``distributed:``) shards merge rank by rank: one world size and back
 each rank's fingerprint compared like the top-level one (exit 5 naming the factor and the
 rank), each rank's grid, passes and blobs the union of that rank's in every shard, and every
 file a rank has (stored or a copy) taken into one set whose storage is decided again, across
-ranks, by the rule a K-rank bake uses (:func:`kiln.artifact.ranks_layout.store_once`).
+ranks, by the rule a K-rank bake uses (:func:`kiln.artifact.rank_copies.store_once`).
 """
 
 from __future__ import annotations
@@ -60,7 +60,7 @@ from kiln.artifact.manifest import (
     rank_of,
 )
 from kiln.artifact.payload import payload_sha256
-from kiln.artifact.ranks_layout import store_once
+from kiln.artifact.rank_copies import store_once
 from kiln.errors import IncompatibleError, IntegrityError, Param, UsageError, Worded
 from kiln.events import EventSink, Packed, Packing, ignore
 from kiln.factors import compare, misses

@@ -53,8 +53,8 @@ from kiln.artifact.manifest import (
     ShardInfo,
 )
 from kiln.artifact.payload import payload_sha256
-from kiln.artifact.ranks_layout import Stored, store_once
-from kiln.compiler import inlaunch
+from kiln.artifact.rank_copies import Stored, store_once
+from kiln.compiler import user_launch
 from kiln.compiler.aoti_bake import dropped_cudagraphs
 from kiln.compiler.capture import capture, capture_bytecode, capture_tree
 from kiln.compiler.dynamo_log import merge_breaks
@@ -168,13 +168,13 @@ def bake(
     (:func:`kiln.grid.shard_buckets`); ``kiln merge`` combines the shards' artifacts.
 
     A distributed spec baked inside a launch the user started (``RANK``/``WORLD_SIZE`` set;
-    :mod:`kiln.compiler.inlaunch`): rank 0 bakes and writes ``out``; every other rank runs its
+    :mod:`kiln.compiler.user_launch`): rank 0 bakes and writes ``out``; every other rank runs its
     own rank's workers for rank 0 and returns a :class:`FollowerResult` (no artifact).
     """
     spec = spec if isinstance(spec, Spec) else load_spec(spec)
-    launched = inlaunch.in_launch(spec)  # exit 2 when the launch's size is not the spec's
+    launched = user_launch.in_launch(spec)  # exit 2 when the launch's size is not the spec's
     if launched is not None and launched.rank != 0:
-        inlaunch.follow(spec, launched, _workdir_base() / spec.name)
+        user_launch.follow(spec, launched, _workdir_base() / spec.name)
         return FollowerResult(launched.rank, launched.world_size)
     out = Path(out)
     buckets = expand(spec)
@@ -195,7 +195,7 @@ def bake(
     # native objects, so shards baked elsewhere would collide in `kiln merge` (exit 3).
     with (
         _stable_workdir(spec.name, lambda text: emit(Waiting(message=text))) as work,
-        inlaunch.lead(work, launched) if launched else contextlib.nullcontext(),
+        user_launch.lead(work, launched) if launched else contextlib.nullcontext(),
     ):
         baker = _Baker(spec, buckets, work, emit, shard=sliced)
         baker.compile_passes(passes)
@@ -218,7 +218,7 @@ def bake(
 
 def _capture(spec: Spec, work: Path) -> tuple[list[FileEntry], Stored | None]:
     """The files of ``work``'s layout; for K ranks, each rank's under ``ranks/R/``, stored once
-    where ranks share them (:func:`kiln.artifact.ranks_layout.store_once`; the rest are copies)."""
+    where ranks share them (:func:`kiln.artifact.rank_copies.store_once`; the rest are copies)."""
     aoti = spec.compile.route == "aoti"  # the packages are the whole payload: no cache folder
     if spec.distributed is None:
         files = capture_tree(work / AOTI_DIR, AOTI_DIR) if aoti else capture(work)

@@ -21,7 +21,7 @@ import warnings
 from dataclasses import dataclass
 from pathlib import Path
 
-from kiln.compiler import inlaunch, ranks
+from kiln.compiler import ranks, user_launch
 from kiln.compiler.process import (
     WorkerError,
     failure_error,
@@ -109,7 +109,7 @@ def run_worker(
     heartbeat_s = heartbeat_interval()
     request = request.replace(spec=spec.canonical(), spec_base=str(spec.base_dir.absolute()))
     world = spec.world_size if spec.distributed else 0
-    session = inlaunch.active() if world else None
+    session = user_launch.active() if world else None
     if world and session is None and ranks.current() is not None:
         raise UsageError(
             f"{spec.name}: run kiln once, outside torchrun: it starts the "
@@ -117,7 +117,7 @@ def run_worker(
         )
     requests = ranks.rank_requests(request, env, world) if world else [request]
     if session is not None:  # rank 0 of a user's launch: every rank runs its own worker
-        spawned, returncode, log, outcomes = inlaunch.issue(
+        spawned, returncode, log, outcomes = user_launch.issue(
             session, requests, env, on_event, heartbeat_s, timeout
         )
         ended = time.time()

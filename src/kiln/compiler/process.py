@@ -1,6 +1,6 @@
 """One worker process, started and followed: the part of launching that :mod:`kiln.compiler.launch`
-(this process starts the worker, or torchrun starting K) and :mod:`kiln.compiler.inlaunch` (rank 0
-of a user's launch, and its followers) share.
+(this process starts the worker, or torchrun starting K) and :mod:`kiln.compiler.user_launch`
+(rank 0 of a user's launch, and its followers) share.
 
 :func:`spawn` runs a command in its own process group and relays the worker's progress events
 (:func:`relay_events`), with a :class:`~kiln.events.Heartbeat` while a step stays silent; it

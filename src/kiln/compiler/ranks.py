@@ -171,7 +171,7 @@ def join(spec: Spec, rank: Rank | None, device: Any) -> bool:
             f"distributed.world_size={spec.distributed.world_size}"
         )
     device_id = device if device.type == "cuda" else None
-    prefix = os.environ.get("KILN_LAUNCH_PREFIX")  # kiln.compiler.inlaunch: a user's launch
+    prefix = os.environ.get("KILN_LAUNCH_PREFIX")  # kiln.compiler.user_launch: a user's launch
     if prefix is None:
         dist.init_process_group(spec.distributed.backend, device_id=device_id)
         return True

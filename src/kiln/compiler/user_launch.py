@@ -18,6 +18,9 @@ or a shared ``TMPDIR``):
 Each command's workers join their process group under a store prefix of their own
 (:data:`PREFIX_VAR`): a launch's store outlives the worker processes, and the keys an earlier
 pass's group left there would otherwise point the next pass at ranks that are gone.
+
+Named for whose launch it is: :mod:`kiln.compiler.launch` is kiln's own, starting the worker (or
+torchrun with K of them) itself.
 """
 
 from __future__ import annotations
