@@ -547,12 +547,12 @@ class Selector:
         return self.matches(key)
 
 
-# --- unpacking (restore) ------------------------------------------------------------------------
+# --- extracting (restore) -----------------------------------------------------------------------
 
 
 @dataclass
-class Unpacked:
-    """What restore unpacked from one stream: an artifact (``choice`` None) or a bundle's
+class Extracted:
+    """What restore extracted from one stream: an artifact (``choice`` None) or a bundle's
     variant (``manifest`` None when the chosen variant is already installed: a no-op)."""
 
     manifest: Manifest | None
@@ -560,15 +560,16 @@ class Unpacked:
     variant_sha256: str | None = None
 
 
-def unpack(
+def extract_chosen(
     fh: IO[bytes],
     tree: Path,
     emit: EventSink,
     selector: Selector,
     source: str,
     installed: str | None,
-) -> Unpacked:
-    """Unpack the artifact, or the chosen variant of the bundle, read from ``fh`` into ``tree``.
+) -> Extracted:
+    """Extract the artifact, or the chosen variant of the bundle, read from ``fh`` into ``tree``
+    (:func:`kiln.artifact.extract.extract` does the one, this the choosing around it).
 
     ``installed`` is the digest already in DEST: a bundle whose chosen variant has it unpacks
     nothing. The chosen member is hashed as the extractor reads it, and must have the index's
@@ -587,12 +588,12 @@ def unpack(
                             ": not a bundle",
                         )
                     )
-                return Unpacked(extract_members(tar, manifest, tree, emit))
+                return Extracted(extract_members(tar, manifest, tree, emit))
             index = read_index_member(tar, first)
             choice = selector.choose(index.variants, source)
             chosen = next(v for v in index.variants if v.name == choice.variant.name)
             if chosen.sha256 == installed:
-                return Unpacked(None, choice, chosen.sha256)
+                return Extracted(None, choice, chosen.sha256)
             member = _find(tar, index, chosen)
             src = tar.extractfile(member)
             assert src is not None
@@ -608,7 +609,7 @@ def unpack(
             f"{chosen.size} bytes)"
         )
     check_variant(chosen, manifest)
-    return Unpacked(manifest, choice, digest)
+    return Extracted(manifest, choice, digest)
 
 
 def _find(tar: tarfile.TarFile, index: BundleIndex, chosen: Variant) -> tarfile.TarInfo:

@@ -148,7 +148,7 @@ def merge(
     out.parent.mkdir(parents=True, exist_ok=True)
     stage = Path(tempfile.mkdtemp(prefix=".kiln-merge-", dir=out.parent))
     try:
-        trees = _unpack(inputs, stage, emit)
+        trees = _extract_inputs(inputs, stage, emit)
         merged = stage / "merged"
         for entry, index in files.values():
             _place(trees[index] / entry.path, merged / entry.path)
@@ -425,8 +425,8 @@ def _warnings(inputs: list[_Input], shard: ShardInfo, missing: list[int], spec: 
     return out
 
 
-def _unpack(inputs: list[_Input], stage: Path, emit: EventSink) -> list[Path]:
-    """Each input unpacked by restore's extractor into its own folder; the manifest it holds
+def _extract_inputs(inputs: list[_Input], stage: Path, emit: EventSink) -> list[Path]:
+    """Each input extracted by restore's extractor into its own folder; the manifest it holds
     must still be the one the checks above read (the file may have changed since)."""
     trees: list[Path] = []
     for index, item in enumerate(inputs):

@@ -31,7 +31,7 @@ from typing import Any
 
 from kiln.artifact.archive import parse_manifest
 from kiln.artifact.attestation import AttestationCheck, verify_attestation
-from kiln.artifact.bundle import Candidate, Choice, Selector, check_variant, key_of, unpack
+from kiln.artifact.bundle import Candidate, Choice, Selector, check_variant, extract_chosen, key_of
 from kiln.artifact.drift import Changes, changes, stamp
 from kiln.artifact.extract import HashingReader, check_stage, extract, require_space
 from kiln.artifact.machine import Machine
@@ -420,7 +420,7 @@ def _fetch_and_unpack(
             check_variant(choice.variant, manifest)  # the annotations chose it
         else:
             have = installed.digest if installed is not None else None
-            out = unpack(reader, tree, emit, selector, source, have)
+            out = extract_chosen(reader, tree, emit, selector, source, have)
             if out.choice is not None:
                 choice = dataclasses.replace(out.choice, bundle_sha256=bundle_sha)
             if out.manifest is None:  # the bundle's chosen variant is installed already

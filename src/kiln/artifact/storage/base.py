@@ -357,7 +357,7 @@ class Store(ABC):
         The caller checks the digest, then reads (unpacks) from :attr:`FetchedFile.file`, the
         very file that was hashed. A local store overrides this to open the file in place.
         ``select`` is for stores that resolve bundles themselves (OCI); a bundle *file* is chosen
-        from as it is unpacked (:func:`kiln.artifact.bundle.unpack`).
+        from as it is unpacked (:func:`kiln.artifact.bundle.extract_chosen`).
         """
         dest = workdir / DOWNLOAD_NAME
         out = open(dest, "x+b")  # noqa: SIM115 - handed to the caller inside FetchedFile
