@@ -85,6 +85,19 @@ def test_bench_precompile_spec_compares_with_plain_compile_caches(write_spec) ->
     assert [p["s"] for p in modes["kiln"]["startup_phases"] if p["phase"] == "precompiled load"]
 
 
+def test_a_spec_served_on_another_route_keeps_its_file(write_spec) -> None:
+    """bench's route variants point errors and relative paths at the spec the user wrote."""
+    from kiln.compiler.bench import with_route
+    from kiln.spec import load_spec
+
+    spec = load_spec(write_spec(mlp_spec()))
+    for route in ("aoti", "compile"):
+        variant = with_route(spec, route)
+        assert variant.compile.route == route
+        assert (variant.path, variant.base_dir) == (spec.path, spec.base_dir)
+    assert with_route(spec, "aoti").compile.fullgraph and not spec.compile.fullgraph
+
+
 EAGER_PASS = """\
 import sys
 from kiln.compiler import worker

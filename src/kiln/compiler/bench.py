@@ -256,9 +256,9 @@ def with_route(spec: Spec, route: str) -> Spec:
         update: dict[str, Any] = {"route": "aoti", "precompile": False, "fullgraph": True}
     else:
         update = {"route": "compile", "weights": "external", "on_miss": "error"}
-    variant = spec.model_copy(update={"compile": spec.compile.model_copy(update=update)})
-    variant._path = spec.path  # its file: error positions and relative paths (sent by value)
-    return variant
+    # A copy keeps the spec's file (private attributes travel with model_copy): error positions
+    # and relative paths stay the original's.
+    return spec.model_copy(update={"compile": spec.compile.model_copy(update=update)})
 
 
 def _bake_aoti(spec: Spec, work: Path, emit: EventSink) -> BakeResult:
