@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from kiln.artifact.archive import read_manifest, write_artifact
-from kiln.compiler.capture import capture, classify
+from kiln.compiler.capture import cache_kind, capture
 from kiln.errors import IntegrityError, NotFoundError
 
 
@@ -45,8 +45,8 @@ def test_capture_skips_locks_and_temp_and_classifies(tmp_path: Path) -> None:
     assert "inductor/locks/xy.lock" not in paths
     assert not any(".tmp" in p for p in paths)
     assert {e.path: e.kind for e in entries}["inductor/xy/kernel.so"] == "native"
-    assert classify("megacache.bin") == "megacache"
-    assert classify("inductor/fxgraph/x") == "fxgraph"
+    assert cache_kind("megacache.bin") == "megacache"
+    assert cache_kind("inductor/fxgraph/x") == "fxgraph"
 
 
 def pack(tmp_path: Path, out: Path) -> tuple[str, int]:

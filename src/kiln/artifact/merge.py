@@ -510,7 +510,7 @@ def _blobs(
 
 
 def _entry(path: Path, name: str) -> FileEntry:
-    # As capture.classify says.
+    # As capture.cache_kind says.
     kind = "megacache" if name.endswith(MEGACACHE_NAME) else "precompile"
     return FileEntry(path=name, size=path.stat().st_size, sha256=sha256_file(path), kind=kind)
 

@@ -49,7 +49,8 @@ def _skipped(name: str) -> bool:
     return name.endswith((".lock", ".tmp")) or ".tmp." in name or name.startswith(".tmp")
 
 
-def classify(rel: str) -> str:
+def cache_kind(rel: str) -> str:
+    """The kind of cache a file stored at ``rel`` in the artifact is (``FileEntry.kind``)."""
     parts = PurePosixPath(rel).parts
     if rel == MEGACACHE_NAME:
         return "megacache"
@@ -125,7 +126,7 @@ def _tree(root: Path, stored_as: str) -> list[FileEntry]:
 
 def _entry(path: Path, rel: str) -> FileEntry:
     return FileEntry(
-        path=rel, size=path.stat().st_size, sha256=sha256_file(path), kind=classify(rel)
+        path=rel, size=path.stat().st_size, sha256=sha256_file(path), kind=cache_kind(rel)
     )
 
 
