@@ -9,14 +9,16 @@ measurements, and name anything else that differs.
 
 from __future__ import annotations
 
+import hashlib
 import json
 from pathlib import Path
 
 import pytest
 
 from kiln.artifact.archive import read_manifest
-from kiln.artifact.manifest import FileEntry
+from kiln.artifact.manifest import BucketStats, FileEntry
 from kiln.artifact.payload import MEASURED_KINDS, manifest_diff, payload_diff, payload_sha256
+from tests.archives import manifest_for
 from tests.conftest import mlp_spec
 
 
@@ -58,6 +60,35 @@ def test_a_label_takes_no_file_out_of_the_payload_digest() -> None:
     for path, kind in ((pyc, "bytecode"), (so, "megacache"), (so, "fxgraph"), (so, "aotautograd")):
         one, other = _entry(path, kind, "a"), _entry(path, kind, "b")
         assert payload_sha256([one]) != payload_sha256([other]), (path, kind)
+
+
+def test_a_manifest_diff_names_what_a_second_bake_did_not_reproduce() -> None:
+    """Timings aside (created, a bucket's latencies), every difference is one line naming it."""
+
+    def bucket(compiles: int, first_call_s: float) -> BucketStats:
+        return BucketStats(
+            key="batch=2",
+            sizes={"batch": 2},
+            first_call_s=first_call_s,
+            steady_s=0.1,
+            fx_misses=compiles,
+        )
+
+    files = {"inductor/fxgraph/ab/fkey/entry": b"x", "inductor/xy/k.so": b"so"}
+    a = manifest_for(files, grid=[bucket(1, 2.0)])
+    later = manifest_for(files, created="2030-01-01T00:00:00+00:00", grid=[bucket(1, 9.0)])
+    assert manifest_diff(a, later) == []
+    other = manifest_for(
+        {**files, "inductor/xy/k.so": b"so2"}, env={"TORCHINDUCTOR_X": "1"}, grid=[bucket(2, 2.0)]
+    )
+    assert manifest_diff(a, other) == [
+        "env differs",
+        "grid (bucket, compiles) differs: [('batch=2', 1)] vs [('batch=2', 2)]",
+        *(
+            f"{sign} other inductor/xy/k.so {hashlib.sha256(d).hexdigest()}"
+            for sign, d in (("-", b"so"), ("+", b"so2"))
+        ),
+    ]
 
 
 @pytest.mark.slow
