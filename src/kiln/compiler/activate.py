@@ -95,12 +95,13 @@ class Activation:
         own weights handed in (``weights: external``); nothing imports Dynamo or Inductor, and
         ``on_miss`` is ``error`` or ``eager`` (there is no compiler to call).
         """
-        from kiln.compiler.padded import serve
+        from kiln.compiler.padded import with_padding
 
         if self.manifest.aoti is not None:
             served = self._packages(model, on_miss)
-            return serve(served, model, self.manifest, on_miss=on_miss, keep=keep)
-        return serve(self._compiled(model), model, self.manifest, on_miss=on_miss, keep=keep)
+            return with_padding(served, model, self.manifest, on_miss=on_miss, keep=keep)
+        compiled = self._compiled(model)
+        return with_padding(compiled, model, self.manifest, on_miss=on_miss, keep=keep)
 
     def _packages(self, model: Any, on_miss: OnMiss | None) -> Any:
         """The AOTInductor packages this process serves, loaded onto ``model``."""

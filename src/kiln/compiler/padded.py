@@ -367,7 +367,7 @@ def _first_line(exc: BaseException) -> str:
     return text.splitlines()[0][:200] if text else type(exc).__name__
 
 
-def serve(
+def with_padding(
     compiled: Callable[..., Any],
     model: Any,
     manifest: Manifest,
