@@ -24,7 +24,7 @@ ignore_numpy_warning()  # before torch's import: its CPU wheel warns when numpy 
 import torch  # noqa: E402
 
 import kiln  # noqa: E402
-from kiln.compiler.worker import make_inputs, resolve_factory  # noqa: E402
+from kiln.compiler.model_import import make_inputs, resolve_factory  # noqa: E402
 from kiln.grid import expand  # noqa: E402
 
 
