@@ -224,3 +224,28 @@ def test_the_shim_finder_finds_a_shim(tmp_path: Path) -> None:
     modules = {_module_name(p, tmp_path): p for p in pkg.rglob("*.py")}
     found = _imported_from_elsewhere([pkg], modules)
     assert [f.rpartition(": ")[2] for f in found] == ["kiln.shim.H", "kiln.shim.g"]
+
+
+def _private_imports(root: Path) -> list[str]:
+    """Each ``from kiln.x import _name`` where ``kiln.x`` is another module: a private name is
+    its module's own; what two modules share is public, in the module whose job it is."""
+    found = []
+    for path in sorted(root.rglob("*.py")):
+        here = _module_name(path, root)
+        for line, module, name in _from_imports(path):
+            if name.startswith("_") and not name.startswith("__") and module != here:
+                found.append(f"{path.relative_to(root)}:{line}: {module}.{name}")
+    return found
+
+
+def test_no_module_imports_another_s_private_names() -> None:
+    found = _private_imports(SRC)
+    assert not found, "\n".join(found)
+
+
+def test_the_private_import_finder_finds_one(tmp_path: Path) -> None:
+    pkg = tmp_path / "kiln"
+    pkg.mkdir()
+    (pkg / "a.py").write_text("def _f(): ...\ndef g(): ...\n")
+    (pkg / "b.py").write_text("from kiln.a import g\ndef h():\n    from kiln.a import _f\n")
+    assert _private_imports(tmp_path) == ["kiln/b.py:3: kiln.a._f"]
