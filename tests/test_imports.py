@@ -73,16 +73,24 @@ def test_no_import_circle_between_kiln_modules() -> None:
         pytest.fail(f"import circle: {' -> '.join(exc.args[1])}")
 
 
+def _package(root: Path, **modules: str) -> Path:
+    """A package ``kiln`` under ``root`` with these modules (name: source), for the finders."""
+    pkg = root / "kiln"
+    pkg.mkdir()
+    for name, source in modules.items():
+        (pkg / f"{name}.py").write_text(source)
+    return pkg
+
+
 def test_the_circle_finder_finds_a_circle(tmp_path: Path) -> None:
     """The check above can fail: two modules that import each other inside functions, and a
     relative import, are a circle; one under TYPE_CHECKING is not."""
-    pkg = tmp_path / "kiln"
-    pkg.mkdir()
-    (pkg / "__init__.py").write_text("")
-    (pkg / "a.py").write_text("def f():\n    from kiln.b import g\n")
-    (pkg / "b.py").write_text("def g():\n    from . import a\n")
-    (pkg / "c.py").write_text(
-        "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    import kiln.a\n"
+    _package(
+        tmp_path,
+        __init__="",
+        a="def f():\n    from kiln.b import g\n",
+        b="def g():\n    from . import a\n",
+        c="from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    import kiln.a\n",
     )
     graph = import_graph(tmp_path)
     assert graph["kiln.a"] == {"kiln.b"} and graph["kiln.b"] == {"kiln.a"} and not graph["kiln.c"]
@@ -213,13 +221,15 @@ def test_each_name_is_imported_from_its_home() -> None:
 def test_the_shim_finder_finds_a_shim(tmp_path: Path) -> None:
     """The check above can fail: a name imported through a module that only imports it is
     found; one the module defines, or its package lists in ``__all__``, is not."""
-    pkg = tmp_path / "kiln"
-    pkg.mkdir()
-    (pkg / "__init__.py").write_text("from kiln.home import g\n__all__ = ['g']\n")
-    (pkg / "home.py").write_text("def g(): ...\nif True:\n    H = 1\n")
-    (pkg / "shim.py").write_text("from kiln.home import H, g\n")
-    (pkg / "user.py").write_text(
-        "from kiln import g\nfrom kiln.home import H\ndef f():\n    from kiln.shim import H, g\n"
+    pkg = _package(
+        tmp_path,
+        __init__="from kiln.home import g\n__all__ = ['g']\n",
+        home="def g(): ...\nif True:\n    H = 1\n",
+        shim="from kiln.home import H, g\n",
+        user=(
+            "from kiln import g\nfrom kiln.home import H\n"
+            "def f():\n    from kiln.shim import H, g\n"
+        ),
     )
     modules = {_module_name(p, tmp_path): p for p in pkg.rglob("*.py")}
     found = _imported_from_elsewhere([pkg], modules)
@@ -244,8 +254,9 @@ def test_no_module_imports_another_s_private_names() -> None:
 
 
 def test_the_private_import_finder_finds_one(tmp_path: Path) -> None:
-    pkg = tmp_path / "kiln"
-    pkg.mkdir()
-    (pkg / "a.py").write_text("def _f(): ...\ndef g(): ...\n")
-    (pkg / "b.py").write_text("from kiln.a import g\ndef h():\n    from kiln.a import _f\n")
+    _package(
+        tmp_path,
+        a="def _f(): ...\ndef g(): ...\n",
+        b="from kiln.a import g\ndef h():\n    from kiln.a import _f\n",
+    )
     assert _private_imports(tmp_path) == ["kiln/b.py:3: kiln.a._f"]
