@@ -47,7 +47,9 @@ def test_bake_records_stats_and_fingerprint(baked) -> None:
     m = result.manifest
     assert [b.key for b in m.grid] == ["batch=2", "batch=3", "batch=5"]
     for b in m.grid:
-        assert b.fx_misses >= 1 and b.compile_s > 0 and b.first_call_s >= b.compile_s
+        # The first call holds the compile; torch times compile_inner with its own clock calls,
+        # which a loaded machine has seen end 60 ms after the call did (13.88 s in 13.82 s).
+        assert b.fx_misses >= 1 and b.compile_s > 0 and b.first_call_s >= 0.9 * b.compile_s
         assert 0 < b.steady_s < b.first_call_s
     fp = m.fingerprint
     assert fp["torch.version"].startswith("2.") and fp["cpu.isa"] and len(fp["torch.key"]) == 64
