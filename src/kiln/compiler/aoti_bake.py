@@ -29,6 +29,7 @@ from typing import Any
 
 from kiln.artifact.manifest import Aoti, AotiInput, AotiProgram, TensorMeta
 from kiln.compiler.aoti_serve import AotiModel, dtype_name, model_tensors
+from kiln.compiler.failures import SpecProblem
 from kiln.serving import AOTI_DIR
 
 # What of a package's model folder is never read by the runner (sources, build flags).
@@ -38,12 +39,8 @@ _NOT_SHIPPED = (".cpp", ".h", "_compile_flags.json", "_linker_flags.json")
 _DROPPED_OPTIONS = ("triton.cudagraphs", "compile_threads")
 
 
-class AotiBuildError(Exception):
+class AotiBuildError(SpecProblem):
     """The model cannot be built on this route: the spec's problem at ``key`` (exit 2)."""
-
-    def __init__(self, key: str, message: str) -> None:
-        super().__init__(message)
-        self.key = key
 
 
 def package_options(options: dict[str, Any], weights: str) -> dict[str, Any]:

@@ -11,12 +11,15 @@ Torch-free.
 
 from __future__ import annotations
 
+import traceback
 from pathlib import Path
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from kiln.artifact.manifest import Aoti, BucketStats, GraphBreak
+from kiln.compiler.failures import Incompatible, SpecProblem
+from kiln.errors import IncompatibleError
 from kiln.spec import Spec
 
 _STREAM_STRIDE = 1 << 24  # seeds per stream: 16,384 buckets of 1,000 calls
@@ -177,6 +180,18 @@ class WorkerFailure(_Message):
     kind: Literal["spec", "incompatible", "internal"]
     message: str
     key: str | None = Field(None, description="the spec key at fault (kind spec)")
+
+
+def failure_of(exc: Exception) -> tuple[WorkerFailure, int]:
+    """How a worker (or replay's) process reports ``exc`` to its parent, with its exit code: the
+    spec's problem at a key (2), what was baked unusable here (5), else a bug (1). Called in
+    the ``except`` block: a failure that is not the spec's leaves its traceback in the log."""
+    if isinstance(exc, SpecProblem):
+        return WorkerFailure(kind="spec", key=exc.key, message=str(exc)), 2
+    traceback.print_exc()
+    if isinstance(exc, (Incompatible, IncompatibleError)):
+        return WorkerFailure(kind="incompatible", message=str(exc)), 5
+    return WorkerFailure(kind="internal", message=f"{type(exc).__name__}: {exc}"), 1
 
 
 class WorkerOutcome(_Message):

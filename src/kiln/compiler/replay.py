@@ -19,7 +19,6 @@ import shutil
 import sys
 import tempfile
 import time
-import traceback
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -34,7 +33,6 @@ from kiln.compiler.protocol import WorkerFailure
 from kiln.compiler.verify import check_world_size
 from kiln.compiler.writes import Watch
 from kiln.errors import (
-    IncompatibleError,
     NotFoundError,
     Param,
     ParameterError,
@@ -446,8 +444,8 @@ def _max_abs_diff(served: dict[Any, Any], eager: dict[Any, Any]) -> float:
 
 def main(argv: list[str] | None = None) -> int:
     """``python -m kiln.compiler.replay REQUEST.json OUTCOME.json``; exit codes as kiln's."""
-    from kiln.compiler.failures import Incompatible, SpecProblem
     from kiln.compiler.launch import ignore_numpy_warning
+    from kiln.compiler.protocol import failure_of
 
     args = sys.argv[1:] if argv is None else argv
     ignore_numpy_warning()
@@ -455,18 +453,9 @@ def main(argv: list[str] | None = None) -> int:
     code = 0
     try:
         outcome = ReplayOutcome(result=run(request))
-    except SpecProblem as exc:
-        outcome = ReplayOutcome(failure=WorkerFailure(kind="spec", key=exc.key, message=str(exc)))
-        code = 2
-    except (Incompatible, IncompatibleError) as exc:
-        traceback.print_exc()
-        outcome = ReplayOutcome(failure=WorkerFailure(kind="incompatible", message=str(exc)))
-        code = 5
     except Exception as exc:
-        traceback.print_exc()
-        message = f"{type(exc).__name__}: {exc}"
-        outcome = ReplayOutcome(failure=WorkerFailure(kind="internal", message=message))
-        code = 1
+        failure, code = failure_of(exc)
+        outcome = ReplayOutcome(failure=failure)
     Path(args[1]).write_text(outcome.model_dump_json())
     return code
 

@@ -28,7 +28,6 @@ import os
 import statistics
 import sys
 import time
-import traceback
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -37,10 +36,8 @@ from kiln import bytecode
 from kiln.artifact.manifest import MAX_GRAPH_BREAKS, BucketStats, CompileCounts, GraphBreak
 from kiln.compiler import frames, ranks
 from kiln.compiler.activate import prepare_inductor
-from kiln.compiler.aoti_bake import AotiBuildError
 from kiln.compiler.devices import join_group, setup_device, synchronizer
 from kiln.compiler.dynamo_log import DynamoLog, merge_breaks
-from kiln.compiler.failures import Incompatible, SpecProblem
 from kiln.compiler.forwards import make_forward
 from kiln.compiler.launch import ignore_numpy_warning
 from kiln.compiler.measure import Forward, Meter, Phases
@@ -48,10 +45,10 @@ from kiln.compiler.megacache import both, load_megacache, save_caches
 from kiln.compiler.model_import import build_model, make_inputs
 from kiln.compiler.protocol import (
     MegacacheInfo,
-    WorkerFailure,
     WorkerOutcome,
     WorkerRequest,
     WorkerResult,
+    failure_of,
 )
 from kiln.compiler.writes import Watch
 from kiln.events import BucketDone, BucketStarted, FirstPassDone, WorkerEvent, WorkerStarted
@@ -337,18 +334,9 @@ def main(argv: list[str] | None = None) -> int:
     try:
         outcome = WorkerOutcome(result=run(request))
         code = 0
-    except Incompatible as exc:
-        traceback.print_exc()
-        outcome = WorkerOutcome(failure=WorkerFailure(kind="incompatible", message=str(exc)))
-        code = 5
-    except (SpecProblem, AotiBuildError) as exc:
-        outcome = WorkerOutcome(failure=WorkerFailure(kind="spec", key=exc.key, message=str(exc)))
-        code = 2
     except Exception as exc:
-        traceback.print_exc()
-        message = f"{type(exc).__name__}: {exc}"
-        outcome = WorkerOutcome(failure=WorkerFailure(kind="internal", message=message))
-        code = 1
+        failure, code = failure_of(exc)
+        outcome = WorkerOutcome(failure=failure)
     outcome_path.write_text(outcome.model_dump_json())
     return code
 
