@@ -41,6 +41,49 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
             item.add_marker(skip)
 
 
+def gpt_spec(
+    name: str,
+    mode: str,
+    precompile: str = "",
+    *,
+    compile_lines: tuple[str, ...] = (),
+    seqs: str | None = None,
+) -> str:
+    """The GPU tests' tiny GPT on cuda. ``precompile``: "" (folder caches), "precompile" (AOT
+    forwards, fullgraph) or "frames" (Dynamo's saved frames, the route for models with graph
+    breaks); ``compile_lines``: more of the compile section (``route: aoti``)."""
+    # max-autotune benchmarks every GEMM at bake time: a smaller grid keeps the run short.
+    if seqs is None:
+        seqs = "[64]" if mode.startswith("max-autotune") else "[64, 256]"
+    aot = {
+        "precompile": ["  fullgraph: true", "  precompile: true"],
+        "frames": ["  precompile: true"],
+    }.get(precompile, [])
+    return "\n".join(
+        [
+            f"name: {name}",
+            "model:",
+            f"  factory: {MODELS}:tiny_gpt",
+            "  kwargs: {vocab: 512, dim: 128, layers: 2, heads: 4}",
+            "  dtype: bfloat16",
+            "  device: cuda",
+            "compile:",
+            f"  mode: {mode}",
+            "  dynamic: false",
+            *aot,
+            *(f"  {line}" for line in compile_lines),
+            "inputs:",
+            "  - {name: input_ids, shape: [batch, seq], dtype: int64, fill: randint,",
+            "     low: 0, high: 512}",
+            "buckets:",
+            "  batch: [1, 4]",
+            f"  seq: {seqs}",
+            "warmup: {calls: 3}",
+            "",
+        ]
+    )
+
+
 def mlp_spec(name: str = "tiny-mlp", *, dynamic: str = "false", buckets: str = "") -> str:
     """A 12-line spec for the tiny MLP (tests count on its line numbers)."""
     lines = [

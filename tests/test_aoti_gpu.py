@@ -15,36 +15,13 @@ from pathlib import Path
 import pytest
 
 import kiln
-from tests.conftest import MODELS
+from tests.conftest import MODELS, gpt_spec
 
 pytestmark = [pytest.mark.gpu, pytest.mark.slow]
 
 
-def gpt_aoti_spec(name: str, mode: str = "default", extra: str = "") -> str:
-    return "\n".join(
-        [
-            f"name: {name}",
-            "model:",
-            f"  factory: {MODELS}:tiny_gpt",
-            "  kwargs: {vocab: 512, dim: 128, layers: 2, heads: 4}",
-            "  dtype: bfloat16",
-            "  device: cuda",
-            "compile:",
-            "  route: aoti",
-            f"  mode: {mode}",
-            "  dynamic: false",
-            "  fullgraph: true",
-            *(f"  {line}" for line in extra.splitlines() if line),
-            "inputs:",
-            "  - {name: input_ids, shape: [batch, seq], dtype: int64, fill: randint,",
-            "     low: 0, high: 512}",
-            "buckets:",
-            "  batch: [1, 4]",
-            "  seq: [64, 256]",
-            "warmup: {calls: 3}",
-            "",
-        ]
-    )
+def gpt_aoti_spec(name: str, mode: str = "default") -> str:
+    return gpt_spec(name, mode, compile_lines=("route: aoti", "fullgraph: true"), seqs="[64, 256]")
 
 
 # A server: activate, build the model on the GPU, compile, call every bucket; prints how long

@@ -11,42 +11,9 @@ from pathlib import Path
 import pytest
 
 import kiln
-from tests.conftest import MODELS
+from tests.conftest import gpt_spec
 
 pytestmark = [pytest.mark.gpu, pytest.mark.slow]
-
-
-def gpt_spec(name: str, mode: str, precompile: str = "") -> str:
-    """``precompile``: "" (folder caches), "precompile" (AOT forwards, fullgraph) or "frames"
-    (Dynamo's saved frames, the route for models with graph breaks)."""
-    # max-autotune benchmarks every GEMM at bake time: a smaller grid keeps the run short.
-    seqs = "[64]" if mode.startswith("max-autotune") else "[64, 256]"
-    aot = {
-        "precompile": ["  fullgraph: true", "  precompile: true"],
-        "frames": ["  precompile: true"],
-    }.get(precompile, [])
-    return "\n".join(
-        [
-            f"name: {name}",
-            "model:",
-            f"  factory: {MODELS}:tiny_gpt",
-            "  kwargs: {vocab: 512, dim: 128, layers: 2, heads: 4}",
-            "  dtype: bfloat16",
-            "  device: cuda",
-            "compile:",
-            f"  mode: {mode}",
-            "  dynamic: false",
-            *aot,
-            "inputs:",
-            "  - {name: input_ids, shape: [batch, seq], dtype: int64, fill: randint,",
-            "     low: 0, high: 512}",
-            "buckets:",
-            "  batch: [1, 4]",
-            f"  seq: {seqs}",
-            "warmup: {calls: 3}",
-            "",
-        ]
-    )
 
 
 def breakdown(report) -> dict:
