@@ -8,16 +8,14 @@ Needs torch (it fingerprints the live process) but does no GPU work.
 
 from __future__ import annotations
 
-import contextlib
 import os
-from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from kiln.artifact.archive import read_manifest
 from kiln.artifact.manifest import Manifest
-from kiln.compiler.location import location_factor, private_inductor_dir
+from kiln.compiler.location import environ_with, location_factor, private_inductor_dir
 from kiln.errors import IncompatibleError
 from kiln.factors import Factor, compare, misses
 
@@ -165,7 +163,11 @@ def check(
     device = baked.get("device.type", manifest.spec.get("model", {}).get("device", "cpu"))
     index = device_index if device_index is not None else (baked.get("device.index") or 0)
     where = location_factor(target, manifest, rank)  # read before the probes' folder is set
-    with as_served(manifest.env):
+    # Judged as a served process has it: kiln.env exports the manifest's env and activate()
+    # sets it, so a shell that has not sourced kiln.env is judged as the server that will.
+    # (Torch reads Inductor's config at import: in a process that imported it before, the
+    # config factors still say what this process would do.)
+    with environ_with(manifest.env):
         if manifest.aoti is not None:  # what a served process of that route can know (no probes)
             here = fingerprint(device, device_index=index, lean=True)
         else:
@@ -175,25 +177,6 @@ def check(
     if where is not None:
         report.factors.append(where)
     return report
-
-
-@contextlib.contextmanager
-def as_served(env: Mapping[str, str]) -> Iterator[None]:
-    """This process's environment with the manifest's ``env`` on top for the block, as a served
-    process has it: kiln.env exports those variables and activate() sets them, so a shell that
-    has not sourced kiln.env is judged as the server that will. Torch reads Inductor's config
-    from the environment once, at import: in a process that imported it before, the config
-    factors still say what this process would do."""
-    saved = {key: os.environ.get(key) for key in env}
-    os.environ.update(env)
-    try:
-        yield
-    finally:
-        for key, value in saved.items():
-            if value is None:
-                os.environ.pop(key, None)
-            else:
-                os.environ[key] = value
 
 
 def _env_int(*names: str) -> int | None:

@@ -65,13 +65,20 @@ def location_factor(
 def private_inductor_dir() -> Iterator[Path]:
     """Point torch's Inductor cache at a temporary folder for the block (the fingerprint's ISA
     probes land there), then remove it and put ``TORCHINDUCTOR_CACHE_DIR`` back as it was."""
-    saved = os.environ.get(CACHE_VAR)
-    with tempfile.TemporaryDirectory(prefix="kiln-check-") as tmp:
-        os.environ[CACHE_VAR] = tmp
-        try:
-            yield Path(tmp)
-        finally:
-            if saved is None:
-                os.environ.pop(CACHE_VAR, None)
+    with tempfile.TemporaryDirectory(prefix="kiln-check-") as tmp, environ_with({CACHE_VAR: tmp}):
+        yield Path(tmp)
+
+
+@contextlib.contextmanager
+def environ_with(env: Mapping[str, str]) -> Iterator[None]:
+    """This process's environment with ``env`` on top for the block, then as it was."""
+    saved = {key: os.environ.get(key) for key in env}
+    os.environ.update(env)
+    try:
+        yield
+    finally:
+        for key, value in saved.items():
+            if value is None:
+                os.environ.pop(key, None)
             else:
-                os.environ[CACHE_VAR] = saved
+                os.environ[key] = value
