@@ -12,6 +12,7 @@ import sys
 import tempfile
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -183,21 +184,58 @@ def once(folder: Path) -> Iterator[bool]:
             done.touch()
 
 
-@pytest.fixture(scope="session")
-def baked(tmp_path_factory: pytest.TempPathFactory):
-    """One real CPU bake of a 3-bucket MLP, shared by the tests that read artifacts: made once
-    per test run, by whichever xdist worker first needs it."""
-    d = shared_dir(tmp_path_factory, "baked")
+# The bakes shared by the tests that only read what a bake made (restore it into their own
+# folder, verify, inspect, compare): each is made once per test run, by whichever xdist worker
+# first needs it, while the other waits on its lock and reuses it. A test that changes an
+# artifact or a restored folder works on its own copy. Every bake runs under one fixed
+# SOURCE_DATE_EPOCH, so a second bake of the same spec can be compared with it byte for byte.
+SHARED_EPOCH = "1700000000"
+
+
+def bake_once(
+    tmp_path_factory: pytest.TempPathFactory,
+    folder: str,
+    spec_text: str,
+    files: dict[str, str] | None = None,
+    **bake_kwargs: object,
+) -> tuple[Path, Any]:
+    """``kiln.bake`` of ``spec_text`` (beside ``files``, e.g. the model module it names) in the
+    run's shared folder ``folder``, made once per run; returns the spec's path and the result."""
+    d = shared_dir(tmp_path_factory, folder)
     spec_path = d / "spec.yaml"
     saved = d / "result.pickle"
     with once(d) as todo:
         if todo:
             import kiln
 
-            spec_path.write_text(mlp_spec())
-            result = kiln.bake(spec_path, d / "tiny-mlp.kiln.tar.zst")
+            for name, text in (files or {}).items():
+                (d / name).write_text(text)
+            spec_path.write_text(spec_text)
+            with pytest.MonkeyPatch.context() as mp:
+                mp.setenv("SOURCE_DATE_EPOCH", SHARED_EPOCH)
+                # Its own TMPDIR: the bake's work folder (whose path torch writes into what it
+                # compiles) is then the same whichever worker bakes, and a second bake of the
+                # spec can compile at the same path (tests/test_reproducible.py).
+                mp.setenv("TMPDIR", str(bake_tmpdir(spec_path)))
+                mp.setattr(tempfile, "tempdir", None)
+                name = kiln.load_spec(spec_path).name
+                result = kiln.bake(spec_path, d / f"{name}.kiln.tar.zst", **bake_kwargs)
             saved.write_bytes(pickle.dumps(result))
     return spec_path, pickle.loads(saved.read_bytes())
+
+
+def bake_tmpdir(spec_path: Path) -> Path:
+    """The ``TMPDIR`` the shared bake of ``spec_path`` compiled under."""
+    tmp = spec_path.parent / "tmp"
+    tmp.mkdir(exist_ok=True)
+    return tmp
+
+
+@pytest.fixture(scope="session")
+def baked(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Any]:
+    """One real CPU bake of the 3-bucket MLP (``mlp_spec()``), shared by the tests that read
+    artifacts (test_roundtrip, test_cli_render, test_deploy, test_reproducible)."""
+    return bake_once(tmp_path_factory, "baked", mlp_spec())
 
 
 @pytest.fixture

@@ -19,7 +19,7 @@ from kiln.artifact.archive import read_manifest
 from kiln.artifact.manifest import BucketStats, FileEntry
 from kiln.artifact.payload import MEASURED_KINDS, manifest_diff, payload_diff, payload_sha256
 from tests.archives import manifest_for
-from tests.conftest import mlp_spec
+from tests.conftest import SHARED_EPOCH, bake_tmpdir, mlp_spec
 
 
 def _entry(path: str, kind: str, digest: str = "a") -> FileEntry:
@@ -92,14 +92,16 @@ def test_a_manifest_diff_names_what_a_second_bake_did_not_reproduce() -> None:
 
 
 @pytest.mark.slow
-def test_two_bakes_of_one_spec_reproduce_each_other(cli, tmp_path: Path) -> None:
-    spec = tmp_path / "spec.yaml"
-    spec.write_text(mlp_spec())
-    env = {"SOURCE_DATE_EPOCH": "1700000000"}
-    arts = [tmp_path / f"a{i}.kiln.tar.zst" for i in (1, 2)]
-    for art in arts:
-        proc = cli("bake", spec, "-o", art, "--json", env=env)
-        assert proc.returncode == 0, proc.stderr
+def test_two_bakes_of_one_spec_reproduce_each_other(baked, cli, tmp_path: Path) -> None:
+    """The session's shared bake of the MLP (under SOURCE_DATE_EPOCH, through the library) and
+    a second bake of the same spec by the CLI reproduce each other."""
+    spec, first = baked
+    assert spec.read_text() == mlp_spec()
+    # The same spec file, compiled at the same path (the bake's work folder under TMPDIR).
+    env = {"SOURCE_DATE_EPOCH": SHARED_EPOCH, "TMPDIR": str(bake_tmpdir(spec))}
+    arts = [first.artifact, tmp_path / "a2.kiln.tar.zst"]
+    proc = cli("bake", spec, "-o", arts[1], "--json", env=env)
+    assert proc.returncode == 0, proc.stderr
     a, b = (read_manifest(art) for art in arts)
     # What is identical: the payload digest, the manifest's inputs and environment, the cache
     # keys, and every byte of generated code and native objects.
