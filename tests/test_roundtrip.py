@@ -239,8 +239,10 @@ def test_autotuning_spec_round_trip(write_spec, tmp_path: Path) -> None:
     assert report.ok, report.reasons()
 
 
-def module_spec(write_spec, tmp_path: Path, name: str, forward: str, header: str = "") -> Path:
-    """A spec for a one-module model file next to it, on the MLP spec's grid."""
+def module_spec(
+    write_spec, tmp_path: Path, name: str, forward: str, header: str = "", buckets: str = ""
+) -> Path:
+    """A spec for a one-module model file next to it, on the MLP spec's grid (or ``buckets``)."""
     (tmp_path / f"{name}.py").write_text(
         f"import random, torch\n{header}"
         "class M(torch.nn.Module):\n"
@@ -248,7 +250,7 @@ def module_spec(write_spec, tmp_path: Path, name: str, forward: str, header: str
         + "".join(f"        {line}\n" for line in forward.splitlines())
         + "def make():\n    return M()\n"
     )
-    text = mlp_spec(name).replace(f"{MODELS}:tiny_mlp", f"{name}.py:make")
+    text = mlp_spec(name, buckets=buckets).replace(f"{MODELS}:tiny_mlp", f"{name}.py:make")
     text = text.replace("  kwargs: {dim: 16, hidden: 32}\n  call_kwargs: {scale: 2.0}\n", "")
     return write_spec(text.replace("warmup: {calls: 2}", "warmup: {calls: 2, passes: 2}"))
 
@@ -279,9 +281,9 @@ def test_bake_says_when_a_fresh_process_still_compiles(write_spec, tmp_path: Pat
     """A model that closes over a per-process value can never hit: the bake's proof compiles,
     two re-bakes cannot fix it, and the bake says so instead of shipping silently."""
     header = "SCALE = random.random()  # a different constant in every process\n"
-    spec_path = module_spec(
-        write_spec, tmp_path, "perprocess", "return torch.relu(x) * SCALE", header
-    )
+    # One bucket is enough to never hit; each of its six processes compiles once, not 3 times.
+    forward = "return torch.relu(x) * SCALE"
+    spec_path = module_spec(write_spec, tmp_path, "perprocess", forward, header, "batch: [2]")
     proc = cli("bake", spec_path, "-o", tmp_path / "pp.kiln.tar.zst", "--json")
     assert proc.returncode == 0, proc.stderr[-2000:]
     summary = json.loads(proc.stdout)
