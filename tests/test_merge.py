@@ -492,7 +492,7 @@ def test_bake_refuses_a_bad_shard_before_compiling(spec_path: Path, write_spec) 
         kiln.bake(dynamic, spec_path.with_suffix(".kiln.tar.zst"), shard=Shard(0, 2))
 
 
-@pytest.mark.slow  # three real CPU bakes, a restore and two verifies: ~2 min on 2 cores
+@pytest.mark.slow  # three real CPU bakes, a restore and two verifies: ~1 min on 2 cores
 def test_three_shards_merge_into_what_one_process_serves(
     tmp_path: Path, spec_path: Path, cli
 ) -> None:
@@ -502,7 +502,8 @@ def test_three_shards_merge_into_what_one_process_serves(
 
     shards = []
     for i in range(3):
-        proc = cli("bake", spec_path, "--shard", f"{i}/3", "--json", "-q")
+        # Unproven: the merged artifact is what this test proves, restored and verified.
+        proc = cli("bake", spec_path, "--shard", f"{i}/3", "--no-prove", "--json", "-q")
         assert proc.returncode == 0, proc.stderr
         result = json.loads(proc.stdout)
         assert result["shard"] == {"count": 3, "indexes": [i], "complete": False}
