@@ -17,15 +17,11 @@ from tests.first_process import digest_tree, serve_like_a_user
 pytestmark = pytest.mark.slow
 
 
-@pytest.fixture(scope="module")
-def artifact(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
-    """A 3-bucket MLP baked once for this module (its own, so no test sees another's state)."""
-    from tests.conftest import mlp_spec
-
-    d = tmp_path_factory.mktemp("first-process")
-    spec = d / "spec.yaml"
-    spec.write_text(mlp_spec("first-process"))
-    result = kiln.bake(spec, d / "a.kiln.tar.zst")
+@pytest.fixture
+def artifact(baked) -> tuple[Path, Path]:
+    """The session's shared bake of the 3-bucket MLP: read only here (each test restores it into
+    a folder of its own, so no test sees another's state)."""
+    spec, result = baked
     assert result.manifest.proof is not None and result.manifest.proof.compiles == 0
     return spec, result.artifact
 
@@ -102,7 +98,7 @@ def test_verify_of_a_bucket_never_baked_fails_and_stays_failed(artifact, tmp_pat
     dest = tmp_path / "cache"
     kiln.restore(art, dest)
     wider = tmp_path / "wider.yaml"
-    wider.write_text(mlp_spec("first-process", buckets="batch: [2, 3, 5, 7]"))
+    wider.write_text(mlp_spec(buckets="batch: [2, 3, 5, 7]"))
     found = digest_tree(dest)
     for _ in range(2):
         proc = cli("verify", wider, "--cache", dest, "--route", "plain", "--json")
