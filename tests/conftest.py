@@ -16,6 +16,8 @@ from typing import Any
 
 import pytest
 
+from tests import schedule
+
 ROOT = Path(__file__).resolve().parent.parent
 MODELS = ROOT / "examples" / "models.py"
 
@@ -24,22 +26,19 @@ NO_TORCH = "import sys; sys.modules['torch'] = None; sys.modules['triton'] = Non
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    # Slow tests first (a stable sort: file order otherwise): spread over xdist workers, the
-    # minutes-long bakes start at once and the quick tests fill in behind them, instead of one
-    # long bake starting last while the other workers sit idle.
-    items.sort(key=lambda item: "slow" not in item.keywords)
     try:
         import torch
 
         has_cuda = torch.cuda.is_available()
     except ImportError:
         has_cuda = False
-    if has_cuda:
-        return
-    skip = pytest.mark.skip(reason="needs CUDA (run on the GPU machine)")
-    for item in items:
-        if "gpu" in item.keywords:
-            item.add_marker(skip)
+    if not has_cuda:
+        skip = pytest.mark.skip(reason="needs CUDA (run on the GPU machine)")
+        for item in items:
+            if "gpu" in item.keywords:
+                item.add_marker(skip)
+    # Longest first, split evenly over the xdist workers (tests/schedule.py says how and why).
+    items[:] = schedule.order(items, schedule.worker_count())
 
 
 def gpt_spec(
@@ -197,10 +196,14 @@ def bake_once(
     folder: str,
     spec_text: str,
     files: dict[str, str] | None = None,
+    *,
+    restore: bool = False,
     **bake_kwargs: object,
 ) -> tuple[Path, Any]:
     """``kiln.bake`` of ``spec_text`` (beside ``files``, e.g. the model module it names) in the
-    run's shared folder ``folder``, made once per run; returns the spec's path and the result."""
+    run's shared folder ``folder``, made once per run; returns the spec's path and the result.
+    ``restore``: also restore it, once, into the folder's ``restored/`` (read only: a test that
+    changes a restored folder restores or copies its own)."""
     d = shared_dir(tmp_path_factory, folder)
     spec_path = d / "spec.yaml"
     saved = d / "result.pickle"
@@ -220,6 +223,8 @@ def bake_once(
                 mp.setattr(tempfile, "tempdir", None)
                 name = kiln.load_spec(spec_path).name
                 result = kiln.bake(spec_path, d / f"{name}.kiln.tar.zst", **bake_kwargs)
+            if restore:
+                kiln.restore(result.artifact, d / "restored")
             saved.write_bytes(pickle.dumps(result))
     return spec_path, pickle.loads(saved.read_bytes())
 

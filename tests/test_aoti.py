@@ -20,7 +20,7 @@ from kiln.artifact.manifest import Manifest
 from kiln.errors import SpecError, UsageError
 from kiln.factors import compare, misses
 from kiln.spec import parse_spec
-from tests.conftest import MODELS, mlp_spec
+from tests.conftest import MODELS, bake_once, mlp_spec
 
 
 def aoti_spec(
@@ -147,16 +147,12 @@ def test_a_package_library_must_be_a_listed_file() -> None:
 
 
 # --- real bakes -------------------------------------------------------------------------------
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")
 def aoti_baked(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path, Manifest]:
-    """One real bake of the MLP on the AOT route (2 buckets), restored."""
-    d = tmp_path_factory.mktemp("aoti")
-    spec = d / "spec.yaml"
-    spec.write_text(aoti_spec())
-    result = kiln.bake(spec, d / "aoti.kiln.tar.zst")
+    """One real bake of the MLP on the AOT route (2 buckets), restored: made once per run."""
+    spec, result = bake_once(tmp_path_factory, "aoti", aoti_spec(), restore=True)
     assert result is not None
-    kiln.restore(result.artifact, d / "restored")
-    return spec, d / "restored", result.manifest
+    return spec, spec.parent / "restored", result.manifest
 
 
 # A server as a user writes it: kiln.activate, build, compile, call under inference mode.

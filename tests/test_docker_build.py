@@ -155,7 +155,7 @@ def locked(path: Path) -> Iterator[None]:
         yield
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")
 def debian_base() -> str:
     key = hashlib.sha256(json.dumps(RECIPE, sort_keys=True).encode()).hexdigest()[:16]
     tag = f"localhost/kiln-test-base:{key}"
@@ -178,7 +178,7 @@ def image_size(tag: str) -> int:
     return int(proc.stdout.strip())
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")
 def restore_image(debian_base: str) -> Iterator[str]:
     tag = f"localhost/kiln-restore-test:{os.getpid()}"
     pip_args, pip_volumes = pip_settings()

@@ -51,7 +51,7 @@ def clean_env() -> dict[str, str]:
     return {k: v for k, v in os.environ.items() if k not in drop}
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")
 def dists(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
     """(sdist, wheel) built by `python -m build` from a copy of the checkout.
 

@@ -11,9 +11,8 @@ from pathlib import Path
 
 import pytest
 
-import kiln
 from kiln.compiler.replay import replay
-from tests.conftest import MODELS
+from tests.conftest import MODELS, bake_once
 
 pytestmark = pytest.mark.slow
 
@@ -45,23 +44,18 @@ warmup: {{calls: 1}}
 """
 
 
-def restored(tmp: Path, text: str) -> tuple[Path, Path]:
-    spec = tmp / "spec.yaml"
-    spec.write_text(text)
-    result = kiln.bake(spec, tmp / "a.kiln.tar.zst", prove=False)
-    assert result is not None
-    kiln.restore(result.artifact, tmp / "cache")
-    return spec, tmp / "cache"
-
-
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")
 def mlp(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
-    return restored(tmp_path_factory.mktemp("mlp"), MLP)
+    """The per-token MLP baked (unproven) and restored, once per run: read only."""
+    spec, _ = bake_once(tmp_path_factory, "padded-mlp", MLP, restore=True, prove=False)
+    return spec, spec.parent / "restored"
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")
 def encoder(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
-    return restored(tmp_path_factory.mktemp("encoder"), ENCODER)
+    """The masked encoder baked (unproven) and restored, once per run: read only."""
+    spec, _ = bake_once(tmp_path_factory, "padded-encoder", ENCODER, restore=True, prove=False)
+    return spec, spec.parent / "restored"
 
 
 def traffic(path: Path, largest: tuple[int, int], n: int, off: list[tuple[int, int]] = ()) -> Path:  # type: ignore[assignment]
