@@ -100,11 +100,12 @@ def test_a_finished_bake_leaves_nothing_in_tmpdir(tmp_path: Path) -> None:
     assert left_in(tmp) == [f"kiln-bake-{os.getuid()}/tidy-mlp.lock"]
 
 
-@pytest.mark.slow  # the probes compile: ~25 s a run on 2 cores
+@pytest.mark.slow  # the probes compile: ~10 s a run on 2 cores where none are kept
 def test_check_leaves_nothing_in_tmpdir_or_the_restored_folder(tmp_path: Path) -> None:
     """`kiln check` fingerprints this machine, and Inductor compiles CPU-ISA probes to do it:
     into $TMPDIR/torchinductor_$USER when no cache folder is set, into DIR/inductor once
-    kiln.env is sourced. Now into a folder of its own, removed."""
+    kiln.env is sourced. Now into kiln's own per-user folder (kept: the next check loads them
+    instead of compiling again), or, where that cannot be made, a folder of its own, removed."""
     from kiln.artifact.restore import restore
     from tests.archives import good_archive, tree
 
@@ -113,7 +114,16 @@ def test_check_leaves_nothing_in_tmpdir_or_the_restored_folder(tmp_path: Path) -
     dest = tmp_path / "cache"
     restore(good_archive(tmp_path / "a.kiln.tar.zst"), dest)
     before = tree(dest)
-    for env in ({}, {"TORCHINDUCTOR_CACHE_DIR": str(dest / "inductor")}):
+    home_cache = tmp_path / "home-cache"
+    not_a_folder = tmp_path / "not-a-folder"
+    not_a_folder.write_text("a file where the cache home should be")
+    kept = home_cache / "kiln" / "isa-probes"
+    runs = [
+        {"XDG_CACHE_HOME": str(home_cache)},
+        {"XDG_CACHE_HOME": str(home_cache), "TORCHINDUCTOR_CACHE_DIR": str(dest / "inductor")},
+        {"XDG_CACHE_HOME": str(not_a_folder)},  # no per-user folder: a temporary one
+    ]
+    for env in runs:
         proc = subprocess.run(
             [sys.executable, "-m", "kiln", "check", str(dest)],
             env={**os.environ, "TMPDIR": str(tmp), "NO_COLOR": "1", **env},
@@ -124,6 +134,8 @@ def test_check_leaves_nothing_in_tmpdir_or_the_restored_folder(tmp_path: Path) -
         assert proc.returncode == 0, proc.stderr
         assert left_in(tmp) == []
         assert tree(dest) == before
+        assert any(kept.rglob("*.so")), "the probes are kept for the next check"
+    assert not_a_folder.read_text() == "a file where the cache home should be"
 
 
 def test_a_second_bake_says_whose_lock_it_waits_for(tmp_path: Path) -> None:

@@ -15,7 +15,7 @@ from typing import Any
 
 from kiln.artifact.archive import read_manifest
 from kiln.artifact.manifest import Manifest
-from kiln.compiler.location import environ_with, location_factor, private_inductor_dir
+from kiln.compiler.location import environ_with, location_factor, probe_inductor_dir
 from kiln.errors import IncompatibleError
 from kiln.factors import Factor, compare, misses
 
@@ -171,7 +171,7 @@ def check(
         if manifest.aoti is not None:  # what a served process of that route can know (no probes)
             here = fingerprint(device, device_index=index, lean=True)
         else:
-            with private_inductor_dir():  # the ISA probes compile there, not into DIR or $TMPDIR
+            with probe_inductor_dir():  # the ISA probes compile there, not into DIR or $TMPDIR
                 here = fingerprint(device, device_index=index, keys=keys and "torch.key" in baked)
     report = compare_manifest(manifest, here, rank=rank, world_size=world_size)
     if where is not None:

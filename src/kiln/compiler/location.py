@@ -11,7 +11,11 @@ Two things ``kiln check DIR`` did not see, or did wrong:
 - **Probes.** Fingerprinting asks Inductor which CPU vector ISAs work, and Inductor answers by
   compiling small probe libraries into its cache folder: ``$TMPDIR/torchinductor_$USER`` when
   none is set (left behind), DIR's own folder once ``kiln.env`` is sourced (written into the
-  restored caches). :func:`private_inductor_dir` gives them a temporary folder that is removed.
+  restored caches). :func:`probe_inductor_dir` gives them kiln's own per-user folder instead
+  (``$XDG_CACHE_HOME/kiln/isa-probes``, default ``~/.cache/kiln/isa-probes``): torch keys each
+  probe by its source and compile flags and still loads it every time, so a machine compiles
+  them once, not ~7 s in every `kiln check` and `kiln verify`. Where that folder cannot be
+  written (a read-only home in a pod), a temporary folder that is removed, as before.
 
 Needs torch only through the fingerprint it wraps.
 """
@@ -61,10 +65,31 @@ def location_factor(
     return Factor(FACTOR, str(expected), here, False, True, note)
 
 
+PROBES_DIR = "isa-probes"
+
+
+def probe_cache() -> Path | None:
+    """kiln's per-user folder for Inductor's ISA probe libraries, made private (0700) on first
+    use; None where it cannot be made or written."""
+    base = os.environ.get("XDG_CACHE_HOME")
+    folder = (Path(base) if base else Path("~/.cache").expanduser()) / "kiln" / PROBES_DIR
+    try:
+        folder.mkdir(mode=0o700, parents=True, exist_ok=True)
+    except OSError:
+        return None
+    return folder if os.access(folder, os.W_OK | os.X_OK) else None
+
+
 @contextlib.contextmanager
-def private_inductor_dir() -> Iterator[Path]:
-    """Point torch's Inductor cache at a temporary folder for the block (the fingerprint's ISA
-    probes land there), then remove it and put ``TORCHINDUCTOR_CACHE_DIR`` back as it was."""
+def probe_inductor_dir() -> Iterator[Path]:
+    """Point torch's Inductor cache at :func:`probe_cache` for the block (the fingerprint's ISA
+    probes land there), or at a temporary folder removed after it when there is none; then put
+    ``TORCHINDUCTOR_CACHE_DIR`` back as it was."""
+    kept = probe_cache()
+    if kept is not None:
+        with environ_with({CACHE_VAR: str(kept)}):
+            yield kept
+        return
     with tempfile.TemporaryDirectory(prefix="kiln-check-") as tmp, environ_with({CACHE_VAR: tmp}):
         yield Path(tmp)
 
