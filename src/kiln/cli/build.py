@@ -169,9 +169,11 @@ def env_cmd(
     """Print this machine's fingerprint (the fields a manifest records)."""
     require_torch("env")
     from kiln.compiler.fingerprint import fingerprint
+    from kiln.compiler.location import probe_inductor_dir
 
     o = Output(json_)
-    fp = fingerprint(device.value, device_index=device_index or 0)
+    with probe_inductor_dir():  # the ISA probes, as `kiln check` keeps them (not in DIR/$TMPDIR)
+        fp = fingerprint(device.value, device_index=device_index or 0)
     if device is Device.CUDA and not fp.get("gpu.name"):
         o.warn(
             "--device cuda: torch sees no GPU here, so this fingerprint has no GPU, capability "
