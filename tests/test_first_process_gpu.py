@@ -92,7 +92,10 @@ def test_verify_agrees_with_the_user_server(baked, tmp_path: Path) -> None:
 
 def test_verify_names_a_lost_tuning_result_and_a_lost_helper(baked, tmp_path: Path) -> None:
     """Delete what the first process would otherwise redo: a kernel's .best_config and
-    Triton's cuda_utils; verify (plain route) fails naming both kinds."""
+    Triton's cuda_utils; verify (plain route) fails naming both. Measured on the H200
+    (2026-12-05): a default-mode kernel does not re-benchmark without its .best_config (its FX
+    entry holds the config the tuning pre-pass chose), so the lost file is named as the folder's
+    drift, the rebuilt helper as a gcc build."""
     spec, result = baked
     dest = tmp_path / "lost" / "cache"
     kiln.restore(result.artifact, dest)
@@ -107,4 +110,4 @@ def test_verify_names_a_lost_tuning_result_and_a_lost_helper(baked, tmp_path: Pa
     record(spec.stem, {"lost": lines})
     assert not report.ok
     assert "native helper built with gcc" in lines, lines
-    assert "configs benchmarked" in lines or "autotune" in lines, lines
+    assert tuned[0].name in lines or "configs benchmarked" in lines, lines
