@@ -14,7 +14,7 @@ Two things ``kiln check DIR`` did not see, or did wrong:
   restored caches). :func:`probe_inductor_dir` gives them kiln's own per-user folder instead
   (``$XDG_CACHE_HOME/kiln/isa-probes``, default ``~/.cache/kiln/isa-probes``): torch keys each
   probe by its source and compile flags and still loads it every time, so a machine compiles
-  them once, not ~7 s in every `kiln check` and `kiln verify`. Where that folder cannot be
+  them once, not ~7 s in every `kiln check` and `kiln env`. Where that folder cannot be
   written (a read-only home in a pod), a temporary folder that is removed, as before.
 
 Needs torch only through the fingerprint it wraps.
