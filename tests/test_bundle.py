@@ -18,7 +18,7 @@ from kiln.artifact.bundle import read_head, write_bundle
 from kiln.artifact.machine import Gpu, Machine
 from kiln.artifact.restore import restore
 from kiln.errors import IncompatibleError, IntegrityError, UsageError
-from kiln.serving import STATE_NAME
+from kiln.layout import STATE_NAME
 from tests.archives import A100_FP, CPU_FP, H200_FP, tree, variant_archive
 from tests.test_machine import fake_smi, printing
 

@@ -17,7 +17,7 @@ from kiln.artifact.archive import read_manifest, write_artifact
 from kiln.artifact.manifest import MAX_MANIFEST_BYTES
 from kiln.artifact.restore import restore
 from kiln.errors import IntegrityError, UsageError
-from kiln.serving import ENV_NAME
+from kiln.layout import ENV_NAME
 from tests.archives import (
     FILES,
     HOSTILE,
@@ -272,8 +272,8 @@ def test_valid_archive_still_restores(tmp_path: Path) -> None:
 
 def test_readme_threat_model_matches_the_rules() -> None:
     """Item 12 and the allow-list: docs/restore.md (linked from the README) states them, in
-    sync with kiln.serving."""
-    from kiln.serving import CACHE_LOCATION_VARS, ENV_ALLOWED_PREFIXES
+    sync with kiln.envrules."""
+    from kiln.envrules import CACHE_LOCATION_VARS, ENV_ALLOWED_PREFIXES
 
     readme = (Path(__file__).resolve().parent.parent / "docs/restore.md").read_text()
     code_is = readme.index("*A compile cache is code*")
@@ -294,7 +294,7 @@ def test_readme_threat_model_matches_the_rules() -> None:
 )
 def test_prefix_allowed_variables_that_are_not_about_compiled_code_are_refused(key: str) -> None:
     """A review found these pass the prefix rule while changing what the server trusts or sees."""
-    from kiln.serving import env_key_problem
+    from kiln.envrules import env_key_problem
 
     assert env_key_problem(key) is not None
     assert env_key_problem("TORCHINDUCTOR_MAX_AUTOTUNE") is None

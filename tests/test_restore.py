@@ -18,7 +18,7 @@ import pytest
 from kiln.artifact.restore import restore
 from kiln.errors import IntegrityError, KilnError, NotFoundError, UsageError
 from kiln.events import DestChanged
-from kiln.serving import ENV_NAME
+from kiln.layout import ENV_NAME
 from tests.archives import good_archive, manifest_for, reg, special, tree, write_archive
 from tests.servers import serve_folder
 

@@ -24,7 +24,7 @@ from kiln.artifact import swap as swap_module
 from kiln.artifact.restore import restore
 from kiln.errors import IntegrityError, NotFoundError, UsageError
 from kiln.events import Event
-from kiln.serving import STATE_NAME
+from kiln.layout import STATE_NAME
 from tests.archives import good_archive, sha, tree
 
 FILES = {"inductor/fxgraph/a/entry": os.urandom(5000), "inductor/xy/k.py": b"print(1)\n"}

@@ -1,31 +1,30 @@
-"""What a compiling or serving process needs: the folder layout, its environment, its arguments.
+"""What a compiling or serving process needs: its environment and its arguments.
 
 One definition, shared by the bake (which compiles under it), restore (which writes ``kiln.env``),
 ``kiln.activate()``, verify and bench (which serve under it), so the no-code route and the proof
 cannot drift apart:
 
-- the layout of an artifact and of a restored folder (``INDUCTOR_DIR``, ``MEGACACHE_NAME``…);
 - the environment: what a bake compiles under (:func:`compile_env`), what every kiln worker
   process starts with (:func:`worker_env`), what a serving process needs (:func:`cache_env`);
 - the ``torch.compile`` arguments: what a spec compiles with (:func:`torch_kwargs`,
   :func:`cold_torch_kwargs`) and what a restored artifact must be served with
   (:func:`served_torch_kwargs`).
 
-It is also kiln's trust rule for environment variables: an artifact comes from elsewhere, and
-``kiln.env`` is sourced by a shell in the pod, so the environment a manifest may set is an
-allow-list of variables that change *compiled code*, never ones that move cache locations, point
-at programs or libraries, or reach a remote cache. Torch-free, and it imports nothing of kiln's
-at run time: the spec and the manifest import it, not the reverse.
+The folders those processes use are :mod:`kiln.layout`'s; which variables a spec or an artifact
+may set is :mod:`kiln.envrules`'. Torch-free, and at run time it imports only those two of
+kiln's: the spec and the manifest import it, not the reverse.
 """
 
 from __future__ import annotations
 
 import os
-import re
 import shlex
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any, Literal, Protocol
+
+from kiln.envrules import ENV_KEY_PATTERN, is_cache_location
+from kiln.layout import ENV_NAME, INDUCTOR_DIR, LOCKS_DIR, RANKS_DIR, TRITON_HOME_DIR
 
 
 # What this module reads of the spec and the manifest, which both import it: structural types,
@@ -66,35 +65,11 @@ class Recorded(Protocol):
     def spec(self) -> Mapping[str, Any]: ...
 
 
-# --- the layout of an artifact and of a restored folder --------------------------------------
-INDUCTOR_DIR = "inductor"  # DIR/inductor is TORCHINDUCTOR_CACHE_DIR
-MEGACACHE_NAME = "megacache.bin"  # torch.compiler.save_cache_artifacts() blob
-PRECOMPILED_NAME = "precompiled.bin"  # serialized AOT forwards (compile.precompile)
-FRAMES_DIR = "dynamo"  # INDUCTOR_DIR/dynamo: Dynamo's saved frames (precompile), PGO profiles
-BYTECODE_DIR = "bytecode"  # a sys.pycache_prefix tree of the imported modules (kiln.bytecode)
-# TRITON_HOME of a bake and of a served process: Triton builds its native helpers (cuda_utils,
-# kernel launchers) with gcc into TRITON_HOME/.triton/cache whenever Inductor has not yet set
-# TRITON_CACHE_DIR (the driver starts before the first kernel loads). The bake's go into the
-# artifact, so a served process finds them instead of running gcc in every new pod.
-TRITON_HOME_DIR = "triton-home"
-# Inductor takes a file lock under CACHE/locks for every C++ kernel it loads, hit or not; restore
-# links that folder to LOCKS_TARGET so that a read-only DEST serves and a served process writes
-# nothing into it (the locks are empty files, meaningful only between processes of one host).
-LOCKS_DIR = "locks"
-LOCKS_TARGET = "/tmp"
-AOTI_DIR = "aoti"  # compile.route: aoti: one extracted AOTInductor package per folder (aoti/N/)
-MANIFEST_NAME = "manifest.json"  # an artifact's first member; restore writes its own copy
-ENV_NAME = "kiln.env"  # written by restore, never shipped
-STATE_NAME = ".kiln-installed.json"  # written by restore, never shipped
-# A K-rank artifact keeps rank R's layout (inductor/, megacache.bin, precompiled.bin) under
-# ranks/R/ instead of at the top; a serving rank reads its own folder (:func:`rank_dir`).
-RANKS_DIR = "ranks"
+# --- names, ranks and routes ------------------------------------------------------------------
 MAX_WORLD_SIZE = 64  # ranks of one launch: a spec's distributed.world_size, a manifest's ranks
 # Where a serving process learns its rank: torchrun sets both (RANK is global, LOCAL_RANK the
 # machine's); the first one set wins.
 RANK_VARS = ("RANK", "LOCAL_RANK")
-# Top-level names restore writes itself: a manifest listing a file or folder under one is refused.
-RESERVED_NAMES = frozenset({MANIFEST_NAME, ENV_NAME, STATE_NAME})
 
 # Where compile.route: aoti's packages get their weights: handed in from the serving model's
 # own parameters (``external``, the default: small artifacts, one per architecture) or built
@@ -103,7 +78,6 @@ AotiWeights = Literal["external", "embed"]
 
 NAME_PATTERN = r"^[a-z0-9._-]+$"  # artifact names: safe in file names, comments and URLs
 MAX_NAME_LENGTH = 128
-ENV_KEY_PATTERN = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
 
 # --- what a served callable does with a request outside the baked grid -------------------------
 # One policy for every serving route that knows the grid (padding to buckets, kiln.padding; an
@@ -115,89 +89,7 @@ OnMiss = Literal["error", "eager", "compile"]
 ON_MISS: tuple[OnMiss, ...] = ("error", "eager", "compile")
 DEFAULT_ON_MISS: OnMiss = "error"
 
-# --- environment rules -----------------------------------------------------------------------
-# Variables that change what torch compiles or how it keys it: the only ones a spec or manifest
-# may set. Everything else (LD_PRELOAD, PATH, PYTHONPATH, HOME, ...) is refused outright.
-ENV_ALLOWED_PREFIXES = (
-    "TORCHINDUCTOR_",
-    "TORCHDYNAMO_",
-    "TORCH_",
-    "TRITON_",
-    "PYTORCH_",
-    "CUDA_",
-)
-# Where caches live: kiln owns these. A worker never inherits them, a fingerprint ignores them
-# (a restored cache lives at another path by design), and no spec or manifest may set them.
-CACHE_LOCATION_VARS = frozenset(
-    {
-        "TORCHINDUCTOR_CACHE_DIR",
-        "TRITON_CACHE_DIR",
-        "TRITON_HOME",
-        "TRITON_DUMP_DIR",
-        "TRITON_OVERRIDE_DIR",
-        "TORCH_COMPILE_DEBUG_DIR",
-        "TORCHINDUCTOR_REDIS_HOST",
-        "TORCHINDUCTOR_REDIS_PORT",
-    }
-)
-# Parts of a name that mark a remote cache or a pluggable cache backend (both reach outside the
-# restored folder, and a backend names a Python class to import).
-REMOTE_CACHE_MARKERS = ("REMOTE_CACHE", "_REDIS_", "CACHE_MANAGER", "CACHE_BACKEND")
-# Endings that mark a location or a program/library to run (TRITON_PTXAS_PATH, CUDA_HOME, ...).
-_LOCATION_SUFFIXES = ("_DIR", "_HOME", "_PATH", "_FILE", "_OUT", "_ROOT")
-_REFUSED_EXACT = frozenset(
-    {
-        "TORCHINDUCTOR_FORCE_DISABLE_CACHES",  # nothing could hit
-        "TORCH_TRACE",  # a folder to write traces into
-        "TORCH_LOGS_OUT",
-        # Prefix-allowed, but not about compiled code: each changes what the serving process
-        # trusts or sees (a review found them), so an artifact may not set them.
-        "TORCH_FORCE_WEIGHTS_ONLY_LOAD",
-        "TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD",  # would turn off torch.load's safe default
-        "CUDA_VISIBLE_DEVICES",  # could hide or swap the serving GPU
-        "TORCH_NVCC_FLAGS",  # compiler flags for extensions
-        "TRITON_KERNEL_OVERRIDE",  # swaps kernels for files named elsewhere
-        "TRITON_KERNEL_DUMP",
-        "TORCH_COMPILE_DEBUG",  # writes debug trees beside the process
-    }
-)
-
-
-def is_cache_location(key: str) -> bool:
-    """Whether ``key`` points torch at a cache (local or remote): never inherited by a worker."""
-    return key in CACHE_LOCATION_VARS or any(m in key for m in REMOTE_CACHE_MARKERS)
-
-
-def env_key_problem(key: str) -> str | None:
-    """Why ``key`` may not be set by a spec or a manifest, or None when it may."""
-    # fullmatch, not match: ``$`` also matches before a trailing newline, and "TORCH_X\n" would
-    # split its ``export`` line in two.
-    if not ENV_KEY_PATTERN.fullmatch(key):
-        return f"{key!r} is not a shell variable name"
-    if not key.startswith(ENV_ALLOWED_PREFIXES):
-        prefixes = ", ".join(f"{p}*" for p in ENV_ALLOWED_PREFIXES)
-        return f"{key} does not affect compilation (allowed: {prefixes})"
-    if is_cache_location(key) or key in _REFUSED_EXACT or key.endswith(_LOCATION_SUFFIXES):
-        return f"{key} moves a cache or names a file or program: kiln owns those"
-    return None
-
-
-def env_value_problem(key: str, value: str) -> str | None:
-    """Why ``value`` cannot be exported as ``key``, or None when it can.
-
-    Quoting makes any text safe for the shell, but a process environment cannot hold a NUL, and a
-    lone surrogate (valid in JSON, not in UTF-8) cannot be encoded: ``kiln.activate()`` would
-    crash on either instead of refusing the artifact.
-    """
-    if "\x00" in value:
-        return f"the value of {key} holds a NUL character"
-    try:
-        value.encode("utf-8")
-    except UnicodeEncodeError:
-        return f"the value of {key} is not valid UTF-8"
-    return None
-
-
+# --- the environment of compiling and serving processes ----------------------------------------
 # Inductor settings every bake compiles with unless the spec sets them itself (they are part of
 # Inductor's cache key, so the manifest's ``env`` carries them to the served process):
 COMPILE_DEFAULTS = {
@@ -220,11 +112,11 @@ SERVING_ENV = {
 def compile_env(spec: CompiledSpec) -> dict[str, str]:
     """Environment the bake compiles under and every serving process must share.
 
-    :data:`COMPILE_DEFAULTS`, the spec's ``env`` (its keys passed :func:`env_key_problem` when
-    it parsed) over them, and for automatic or dynamic shapes a pinned
-    ``TORCH_COMPILE_JOB_ID``: the PGO profile torch writes during the bake is keyed by job id,
-    so a pod reads back the one the bake wrote, unless the spec chose an id itself. The
-    manifest records the result as its ``env``.
+    :data:`COMPILE_DEFAULTS`, the spec's ``env`` (its keys passed
+    :func:`~kiln.envrules.env_key_problem` when it parsed) over them, and for automatic or
+    dynamic shapes a pinned ``TORCH_COMPILE_JOB_ID``: the PGO profile torch writes during the
+    bake is keyed by job id, so a pod reads back the one the bake wrote, unless the spec chose
+    an id itself. The manifest records the result as its ``env``.
     """
     env = COMPILE_DEFAULTS | spec.compile_env()
     if spec.compile.dynamic is not False:
@@ -238,8 +130,9 @@ def worker_env(extra: Mapping[str, str]) -> dict[str, str]:
     Inherited environment is the enemy of reproducible caches: a user's
     ``TORCHINDUCTOR_CACHE_DIR`` would leak entries into a bake, a remote-cache switch would make a
     verify hit over the network. So the child gets this process's environment minus every
-    :func:`is_cache_location` variable, with the folder that holds this ``kiln`` package first on
-    ``PYTHONPATH`` (the worker runs the same kiln as its parent, installed or not).
+    :func:`~kiln.envrules.is_cache_location` variable, with the folder that holds this ``kiln``
+    package first on ``PYTHONPATH`` (the worker runs the same kiln as its parent, installed or
+    not).
     """
     env = {k: v for k, v in os.environ.items() if not is_cache_location(k)}
     src = str(Path(__file__).resolve().parent.parent)
@@ -277,7 +170,7 @@ def serving_rank(world_size: int, environ: Mapping[str, str] | None = None) -> i
 def cache_env(dest: Path, env: Mapping[str, str], rank: int | None = None) -> dict[str, str]:
     """The environment a serving process needs to hit the caches restored at ``dest``.
 
-    ``env`` is the manifest's, already checked by :func:`env_key_problem`; then
+    ``env`` is the manifest's, already checked by :func:`~kiln.envrules.env_key_problem`; then
     :data:`SERVING_ENV`; kiln's own locations come last so nothing can override them. ``rank``:
     this process's rank in a K-rank artifact (its caches are under :func:`rank_dir`);
     ``KILN_CACHE_DIR`` stays the restored folder.
@@ -294,7 +187,7 @@ def cache_env(dest: Path, env: Mapping[str, str], rank: int | None = None) -> di
 
 def lock_links(world_size: int) -> list[str]:
     """Every rank layout's ``inductor/locks``, relative to DEST: restore makes each a link to
-    :data:`LOCKS_TARGET` (:data:`LOCKS_DIR` says why)."""
+    :data:`~kiln.layout.LOCKS_TARGET` (:data:`~kiln.layout.LOCKS_DIR` says why)."""
     ranks = [None] if world_size <= 1 else list(range(world_size))
     return [(rank_dir(Path(), rank) / INDUCTOR_DIR / LOCKS_DIR).as_posix() for rank in ranks]
 

@@ -33,16 +33,9 @@ from pydantic import (
     model_validator,
 )
 
+from kiln.envrules import ENV_ALLOWED_PREFIXES, env_key_problem
 from kiln.errors import SpecError
-from kiln.serving import (
-    ENV_ALLOWED_PREFIXES,
-    MAX_NAME_LENGTH,
-    MAX_WORLD_SIZE,
-    NAME_PATTERN,
-    AotiWeights,
-    OnMiss,
-    env_key_problem,
-)
+from kiln.serving import MAX_NAME_LENGTH, MAX_WORLD_SIZE, NAME_PATTERN, AotiWeights, OnMiss
 from kiln.serving import autotunes as _autotunes
 from kiln.serving import inductor_options as _inductor_options
 from kiln.spec_yaml import (

@@ -30,7 +30,7 @@ from kiln.artifact.manifest import (
 )
 from kiln.errors import IntegrityError, NotAnArtifactError, NotFoundError, UsageError
 from kiln.files import CHUNK, atomic_write
-from kiln.serving import MANIFEST_NAME
+from kiln.layout import MANIFEST_NAME
 
 ARTIFACT_SUFFIX = ".kiln.tar.zst"  # NAME.kiln.tar.zst: an artifact or a bundle (the same format)
 # Every zstd frame starts with these bytes: a file without them is no artifact (nor bundle).

@@ -31,16 +31,9 @@ from pydantic import (
 
 from kiln._version import __version__
 from kiln.bytecode import library_problem, pyc_path
-from kiln.serving import (
-    BYTECODE_DIR,
-    MAX_NAME_LENGTH,
-    MAX_WORLD_SIZE,
-    NAME_PATTERN,
-    RANKS_DIR,
-    RESERVED_NAMES,
-    env_key_problem,
-    env_value_problem,
-)
+from kiln.envrules import env_key_problem, env_value_problem
+from kiln.layout import BYTECODE_DIR, RANKS_DIR, RESERVED_NAMES
+from kiln.serving import MAX_NAME_LENGTH, MAX_WORLD_SIZE, NAME_PATTERN
 
 FORMAT_VERSION = 2  # the newest format this kiln reads
 # Format 2 adds ``distributed`` and ``copies``: a kiln that reads only format 1 would ignore

@@ -65,7 +65,7 @@ from kiln.errors import IncompatibleError, IntegrityError, Param, UsageError, Wo
 from kiln.events import EventSink, Packed, Packing, ignore
 from kiln.factors import compare, misses
 from kiln.grid import assign_shards, expand
-from kiln.serving import MEGACACHE_NAME, PRECOMPILED_NAME, RANKS_DIR
+from kiln.layout import MEGACACHE_NAME, PRECOMPILED_NAME, RANKS_DIR
 from kiln.spec import Spec
 
 # Manifest fields one spec determines: shards that differ in one were not baked from one spec.

@@ -11,7 +11,7 @@ import hashlib
 from pathlib import PurePosixPath
 
 from kiln.artifact.manifest import FileEntry, Manifest
-from kiln.serving import MEGACACHE_NAME
+from kiln.layout import MEGACACHE_NAME
 
 # Two bakes of one spec on one machine write the same cache keys and byte-identical generated
 # code (.py/.cpp, and .so: the compiler is deterministic), but torch pickles measurements into its

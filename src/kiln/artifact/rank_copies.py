@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 from kiln.artifact.manifest import CopyEntry, FileEntry
 from kiln.artifact.payload import payload_lines
-from kiln.serving import RANKS_DIR
+from kiln.layout import RANKS_DIR
 
 
 @dataclass(frozen=True)

@@ -30,15 +30,8 @@ from kiln.artifact.archive import read_manifest
 from kiln.artifact.manifest import Manifest
 from kiln.compiler.check import CheckReport, compare_manifest
 from kiln.errors import UsageError
-from kiln.serving import (
-    BYTECODE_DIR,
-    PRECOMPILED_NAME,
-    OnMiss,
-    cache_env,
-    rank_dir,
-    served_torch_kwargs,
-    serving_rank,
-)
+from kiln.layout import BYTECODE_DIR, PRECOMPILED_NAME
+from kiln.serving import OnMiss, cache_env, rank_dir, served_torch_kwargs, serving_rank
 
 log = logging.getLogger("kiln")
 

@@ -30,7 +30,7 @@ from typing import Any
 from kiln.artifact.manifest import Aoti, AotiInput, AotiProgram, TensorMeta
 from kiln.compiler.aoti_serve import AotiModel, dtype_name, model_tensors
 from kiln.compiler.failures import SpecProblem
-from kiln.serving import AOTI_DIR
+from kiln.layout import AOTI_DIR
 
 # What of a package's model folder is never read by the runner (sources, build flags).
 _NOT_SHIPPED = (".cpp", ".h", "_compile_flags.json", "_linker_flags.json")

@@ -73,17 +73,19 @@ from kiln.events import (
     ignore,
 )
 from kiln.grid import Bucket, Shard, expand, ordered, rotations, shard_grid
-from kiln.serving import (
+from kiln.layout import (
     AOTI_DIR,
     BYTECODE_DIR,
-    DEFAULT_ON_MISS,
     FRAMES_DIR,
     INDUCTOR_DIR,
     MEGACACHE_NAME,
     PRECOMPILED_NAME,
     RANKS_DIR,
-    SERVING_ENV,
     TRITON_HOME_DIR,
+)
+from kiln.serving import (
+    DEFAULT_ON_MISS,
+    SERVING_ENV,
     cold_torch_kwargs,
     compile_env,
     rank_dir,
@@ -338,7 +340,7 @@ class _Baker:
             **compile_env(self.spec),
             "TORCHINDUCTOR_CACHE_DIR": str(self.root),
             # Triton's own default (~/.triton) is outside the root: keep it private too, and
-            # ship it (kiln.serving.TRITON_HOME_DIR says why).
+            # ship it (kiln.layout.TRITON_HOME_DIR says why).
             "TRITON_HOME": str(self.work / TRITON_HOME_DIR),
         }
         route = self.spec.compile.precompile_route

@@ -45,9 +45,8 @@ from kiln.compiler.verify import first_process, made_for, rank_buckets, served_r
 from kiln.errors import Param, UsageError, Worded
 from kiln.events import EventSink, ModeStarted, ignore
 from kiln.grid import expand, ordered
+from kiln.layout import INDUCTOR_DIR, MEGACACHE_NAME
 from kiln.serving import (
-    INDUCTOR_DIR,
-    MEGACACHE_NAME,
     cache_env,
     cold_torch_kwargs,
     compile_env,

@@ -15,7 +15,7 @@ from pathlib import Path, PurePosixPath
 from kiln.artifact.archive import sha256_file
 from kiln.artifact.manifest import FileEntry
 from kiln.bytecode import header_problem, library_problem, pyc_path
-from kiln.serving import (
+from kiln.layout import (
     AOTI_DIR,
     BYTECODE_DIR,
     FRAMES_DIR,
@@ -73,7 +73,7 @@ def cache_kind(rel: str) -> str:
 def capture(layout: Path) -> list[FileEntry]:
     """File entries for one compiling process's layout: its cache root (``inductor/``), the
     native helpers Triton built outside it (``triton-home/``, see
-    :data:`~kiln.serving.TRITON_HOME_DIR`), and the blobs that exist (the Mega-Cache blob, the
+    :data:`~kiln.layout.TRITON_HOME_DIR`), and the blobs that exist (the Mega-Cache blob, the
     precompiled forwards), stored at the artifact root by name."""
     entries = _tree(layout / INDUCTOR_DIR, INDUCTOR_DIR)
     entries += capture_tree(layout / TRITON_HOME_DIR, TRITON_HOME_DIR)

@@ -15,7 +15,7 @@ import os
 import platform
 from typing import Any
 
-from kiln.serving import CACHE_LOCATION_VARS
+from kiln.envrules import CACHE_LOCATION_VARS
 
 # Environment that changes compiled code or cache keys. Cache *locations* are excluded on
 # purpose: the restored cache lives at another path by design.

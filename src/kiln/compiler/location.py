@@ -30,7 +30,8 @@ from pathlib import Path
 
 from kiln.artifact.manifest import Manifest
 from kiln.factors import Factor
-from kiln.serving import INDUCTOR_DIR, rank_dir
+from kiln.layout import INDUCTOR_DIR
+from kiln.serving import rank_dir
 
 CACHE_VAR = "TORCHINDUCTOR_CACHE_DIR"
 FACTOR = f"env.{CACHE_VAR}"

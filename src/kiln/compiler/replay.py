@@ -40,8 +40,9 @@ from kiln.errors import (
     Worded,
 )
 from kiln.events import EventSink
+from kiln.layout import INDUCTOR_DIR
 from kiln.padding import OffGridError, shape_key
-from kiln.serving import INDUCTOR_DIR, ON_MISS, OnMiss, cache_env, worker_env
+from kiln.serving import ON_MISS, OnMiss, cache_env, worker_env
 from kiln.spec import Spec, load_spec
 from kiln.traffic import read_traffic
 

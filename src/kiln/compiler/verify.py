@@ -36,15 +36,8 @@ from kiln.errors import IncompatibleError, NotFoundError, UsageError
 from kiln.events import EventSink
 from kiln.files import atomic_write
 from kiln.grid import expand, off_grid, ordered
-from kiln.serving import (
-    AOTI_DIR,
-    BYTECODE_DIR,
-    INDUCTOR_DIR,
-    PRECOMPILED_NAME,
-    cache_env,
-    rank_dir,
-    served_torch_kwargs,
-)
+from kiln.layout import AOTI_DIR, BYTECODE_DIR, INDUCTOR_DIR, PRECOMPILED_NAME
+from kiln.serving import cache_env, rank_dir, served_torch_kwargs
 from kiln.spec import Spec, differing_keys, load_spec
 
 _VERIFY_STREAMS = 100  # input streams below this are the bake's passes

@@ -53,7 +53,7 @@ from kiln.compiler.protocol import (
 from kiln.compiler.writes import Watch
 from kiln.events import BucketDone, BucketStarted, FirstPassDone, WorkerEvent, WorkerStarted
 from kiln.grid import Bucket, expand
-from kiln.serving import RANKS_DIR
+from kiln.layout import RANKS_DIR
 from kiln.spec import Spec
 
 if TYPE_CHECKING:
