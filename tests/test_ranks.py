@@ -21,7 +21,8 @@ from kiln.artifact.archive import parse_manifest, read_manifest
 from kiln.artifact.manifest import FileEntry, Manifest
 from kiln.artifact.restore import restore
 from kiln.errors import IntegrityError, KilnError, SpecError, UsageError
-from kiln.serving import env_file_text, lock_links, serving_rank
+from kiln.layout import lock_links
+from kiln.serving import env_file_text, serving_rank
 from kiln.spec import parse_spec
 from tests.archives import reg, tree, write_archive
 from tests.conftest import MODELS, hard_limit

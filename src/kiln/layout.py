@@ -1,11 +1,14 @@
 """The folder layout of an artifact, of a bake's work folder and of a restored folder.
 
-One home for every name in it, torch-free and importing nothing of kiln's: the bake writes this
-layout, the archive ships it, restore installs it, and verify, bench and ``kiln.activate()``
-serve from it.
+One home for every name in it, and one way to build its paths (:class:`CacheLayout`), torch-free
+and importing nothing of kiln's: the bake writes this layout, the archive ships it, restore
+installs it, and verify, bench and ``kiln.activate()`` serve from it.
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
 
 INDUCTOR_DIR = "inductor"  # DIR/inductor is TORCHINDUCTOR_CACHE_DIR
 MEGACACHE_NAME = "megacache.bin"  # torch.compiler.save_cache_artifacts() blob
@@ -27,8 +30,128 @@ MANIFEST_NAME = "manifest.json"  # an artifact's first member; restore writes it
 ENV_NAME = "kiln.env"  # written by restore, never shipped
 STATE_NAME = ".kiln-installed.json"  # written by restore, never shipped
 # A K-rank artifact keeps rank R's layout (inductor/, megacache.bin, precompiled.bin) under
-# ranks/R/ instead of at the top; a serving rank reads its own folder
-# (:func:`kiln.serving.rank_dir`).
+# ranks/R/ instead of at the top; a serving rank reads its own folder (:attr:`CacheLayout.dir`).
 RANKS_DIR = "ranks"
 # Top-level names restore writes itself: a manifest listing a file or folder under one is refused.
 RESERVED_NAMES = frozenset({MANIFEST_NAME, ENV_NAME, STATE_NAME})
+
+
+def rank_of(path: str) -> int | None:
+    """The rank whose folder holds ``path`` (``ranks/R/...``), None outside every rank folder."""
+    parts = path.split("/")
+    if len(parts) >= 3 and parts[0] == RANKS_DIR and parts[1].isdecimal():
+        return int(parts[1]) if str(int(parts[1])) == parts[1] else None
+    return None
+
+
+@dataclass(frozen=True)
+class CacheLayout:
+    """Where one process's caches live under ``root``, and the artifact's own files beside them.
+
+    ``rank`` None: a 1-rank artifact, whose caches are at ``root`` itself; rank R of a K-rank
+    artifact keeps the same layout under ``root/ranks/R`` (:attr:`dir`), so a rank's process
+    reads its own folder and nothing else changes. One rule for a bake's work folder, the
+    artifact's members and a restored folder: a path built here is the same in all three.
+
+    ``root`` may be ``Path()``: every path is then relative, and :meth:`member` gives the
+    archive member name (archives name members with POSIX relative paths).
+    """
+
+    root: Path
+    rank: int | None = None
+
+    @classmethod
+    def ranks(cls, root: Path, world: int | None) -> list[CacheLayout]:
+        """Every rank's layout under ``root``: ``world`` None is a 1-rank artifact (one layout,
+        at the top), else ranks ``0..world-1`` each in its own folder."""
+        if world is None:
+            return [cls(root)]
+        return [cls(root, rank) for rank in range(world)]
+
+    @classmethod
+    def of_dir(cls, folder: Path) -> CacheLayout:
+        """The layout whose :attr:`dir` is ``folder``: a rank's when it is ``ROOT/ranks/R``."""
+        if folder.parent.name == RANKS_DIR and rank_of(f"{RANKS_DIR}/{folder.name}/") is not None:
+            return cls(folder.parent.parent, int(folder.name))
+        return cls(folder)
+
+    # --- the rank's own caches, under dir -----------------------------------------------------
+    @property
+    def dir(self) -> Path:
+        """The folder that holds this rank's caches (``root`` for a 1-rank artifact)."""
+        return self.root if self.rank is None else self.root / RANKS_DIR / str(self.rank)
+
+    @property
+    def inductor(self) -> Path:
+        """Inductor's cache root: ``TORCHINDUCTOR_CACHE_DIR``."""
+        return self.dir / INDUCTOR_DIR
+
+    @property
+    def triton_home(self) -> Path:
+        """``TRITON_HOME`` (:data:`TRITON_HOME_DIR` says why it ships)."""
+        return self.dir / TRITON_HOME_DIR
+
+    @property
+    def megacache(self) -> Path:
+        return self.dir / MEGACACHE_NAME
+
+    @property
+    def precompiled(self) -> Path:
+        return self.dir / PRECOMPILED_NAME
+
+    @property
+    def frames(self) -> Path:
+        """Dynamo's saved frames and PGO profiles, inside Inductor's cache root."""
+        return self.inductor / FRAMES_DIR
+
+    @property
+    def locks(self) -> Path:
+        """Inductor's lock folder, a link to :data:`LOCKS_TARGET` in a restored folder."""
+        return self.inductor / LOCKS_DIR
+
+    @property
+    def aoti(self) -> Path:
+        """``compile.route: aoti``'s packages, one folder each."""
+        return self.dir / AOTI_DIR
+
+    # --- the artifact's own files, one per artifact, under root ---------------------------------
+    @property
+    def ranks_dir(self) -> Path:
+        """The folder of a K-rank artifact's rank folders."""
+        return self.root / RANKS_DIR
+
+    @property
+    def bytecode(self) -> Path:
+        """The imported modules' bytecode (1-rank artifacts only: a rank's bake ships none)."""
+        return self.root / BYTECODE_DIR
+
+    @property
+    def manifest(self) -> Path:
+        return self.root / MANIFEST_NAME
+
+    @property
+    def env_file(self) -> Path:
+        """``kiln.env``, written by restore."""
+        return self.root / ENV_NAME
+
+    @property
+    def state_file(self) -> Path:
+        """What restore installed (its digest, its stamp), written by restore."""
+        return self.root / STATE_NAME
+
+    # --- archive member names -------------------------------------------------------------------
+    @property
+    def prefix(self) -> str:
+        """The member-name prefix of :attr:`dir`: ``""``, or ``ranks/R/`` for rank R."""
+        return "" if self.rank is None else f"{RANKS_DIR}/{self.rank}/"
+
+    def member(self, path: Path) -> str:
+        """``path`` (one of this layout's) as an archive member name: POSIX, relative to root."""
+        return path.relative_to(self.root).as_posix()
+
+
+def lock_links(world_size: int) -> list[str]:
+    """Every rank layout's lock folder (:attr:`CacheLayout.locks`) as a member name: restore
+    makes each a link to :data:`LOCKS_TARGET` (:data:`LOCKS_DIR` says why)."""
+    layouts = CacheLayout.ranks(Path(), world_size if world_size > 1 else None)
+    return [layout.member(layout.locks) for layout in layouts]

@@ -24,7 +24,7 @@ from pathlib import Path
 from typing import Any, Literal, Protocol
 
 from kiln.envrules import ENV_KEY_PATTERN, is_cache_location
-from kiln.layout import ENV_NAME, INDUCTOR_DIR, LOCKS_DIR, RANKS_DIR, TRITON_HOME_DIR
+from kiln.layout import ENV_NAME, INDUCTOR_DIR, RANKS_DIR, TRITON_HOME_DIR
 
 
 # What this module reads of the spec and the manifest, which both import it: structural types,
@@ -183,13 +183,6 @@ def cache_env(dest: Path, env: Mapping[str, str], rank: int | None = None) -> di
         "TRITON_HOME": str(layout / TRITON_HOME_DIR),
         "KILN_CACHE_DIR": str(dest),
     }
-
-
-def lock_links(world_size: int) -> list[str]:
-    """Every rank layout's ``inductor/locks``, relative to DEST: restore makes each a link to
-    :data:`~kiln.layout.LOCKS_TARGET` (:data:`~kiln.layout.LOCKS_DIR` says why)."""
-    ranks = [None] if world_size <= 1 else list(range(world_size))
-    return [(rank_dir(Path(), rank) / INDUCTOR_DIR / LOCKS_DIR).as_posix() for rank in ranks]
 
 
 def env_file_text(dest: Path, name: str, env: Mapping[str, str], world_size: int = 1) -> str:

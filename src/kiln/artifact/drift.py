@@ -18,8 +18,7 @@ from pathlib import Path
 
 from kiln.artifact.archive import sha256_file
 from kiln.artifact.manifest import FileEntry, Manifest
-from kiln.layout import ENV_NAME, LOCKS_TARGET, MANIFEST_NAME, STATE_NAME
-from kiln.serving import lock_links
+from kiln.layout import ENV_NAME, LOCKS_TARGET, MANIFEST_NAME, STATE_NAME, lock_links
 
 
 @dataclass(frozen=True)

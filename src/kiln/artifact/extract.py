@@ -28,8 +28,7 @@ from kiln.bytecode import header_problem
 from kiln.errors import IntegrityError, KilnError
 from kiln.events import EventSink, Extracting
 from kiln.files import CHUNK
-from kiln.layout import ENV_NAME, LOCKS_TARGET, MANIFEST_NAME, STATE_NAME
-from kiln.serving import lock_links
+from kiln.layout import ENV_NAME, LOCKS_TARGET, MANIFEST_NAME, STATE_NAME, lock_links
 
 _QUEUE = 16  # chunks in flight between the decompressing and the writing thread
 _HEADROOM = 1 << 20

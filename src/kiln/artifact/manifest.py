@@ -32,7 +32,7 @@ from pydantic import (
 from kiln._version import __version__
 from kiln.bytecode import library_problem, pyc_path
 from kiln.envrules import env_key_problem, env_value_problem
-from kiln.layout import BYTECODE_DIR, RANKS_DIR, RESERVED_NAMES
+from kiln.layout import BYTECODE_DIR, RANKS_DIR, RESERVED_NAMES, rank_of
 from kiln.serving import MAX_NAME_LENGTH, MAX_WORLD_SIZE, NAME_PATTERN
 
 FORMAT_VERSION = 2  # the newest format this kiln reads
@@ -415,14 +415,6 @@ class Distributed(_Model):
                     "(its own)"
                 )
         return self
-
-
-def rank_of(path: str) -> int | None:
-    """The rank whose folder holds ``path`` (``ranks/R/...``), None outside every rank folder."""
-    parts = path.split("/")
-    if len(parts) >= 3 and parts[0] == RANKS_DIR and parts[1].isdecimal():
-        return int(parts[1]) if str(int(parts[1])) == parts[1] else None
-    return None
 
 
 class Manifest(_Model):

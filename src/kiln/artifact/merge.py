@@ -57,7 +57,6 @@ from kiln.artifact.manifest import (
     ShardInfo,
     first_problem,
     folders_of,
-    rank_of,
 )
 from kiln.artifact.payload import payload_sha256
 from kiln.artifact.rank_copies import store_once
@@ -65,7 +64,7 @@ from kiln.errors import IncompatibleError, IntegrityError, Param, UsageError, Wo
 from kiln.events import EventSink, Packed, Packing, ignore
 from kiln.factors import compare, misses
 from kiln.grid import assign_shards, expand
-from kiln.layout import MEGACACHE_NAME, PRECOMPILED_NAME, RANKS_DIR
+from kiln.layout import MEGACACHE_NAME, PRECOMPILED_NAME, RANKS_DIR, rank_of
 from kiln.spec import Spec
 
 # Manifest fields one spec determines: shards that differ in one were not baked from one spec.

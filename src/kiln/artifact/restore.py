@@ -43,8 +43,16 @@ from kiln.artifact.swap import UNWRITABLE, Lock, clean_stale, dest_path, make_st
 from kiln.errors import IntegrityError, KilnError, Param, UsageError, Worded
 from kiln.events import DestChanged, EventSink, Fetched, Fetching, ignore
 from kiln.files import CHUNK, atomic_write
-from kiln.layout import ENV_NAME, INDUCTOR_DIR, LOCKS_TARGET, MANIFEST_NAME, RANKS_DIR, STATE_NAME
-from kiln.serving import env_file_text, lock_links
+from kiln.layout import (
+    ENV_NAME,
+    INDUCTOR_DIR,
+    LOCKS_TARGET,
+    MANIFEST_NAME,
+    RANKS_DIR,
+    STATE_NAME,
+    lock_links,
+)
+from kiln.serving import env_file_text
 
 
 @dataclass
