@@ -174,11 +174,8 @@ def activate(
     cache = Path(cache).absolute()
     manifest = read_manifest(cache)
     rank = _rank(cache, manifest, rank)
-    baked = manifest.fingerprint
-    if manifest.distributed is not None and rank is not None:
-        baked = manifest.distributed.ranks[rank].fingerprint
     if device_index is None:
-        device_index = baked.get("device.index") or 0
+        device_index = _baked_device_index(manifest, rank)
     layout = rank_dir(cache, rank)
     env = cache_env(cache, manifest.env, rank)
     notes: list[str] = []
@@ -187,53 +184,82 @@ def activate(
 
     import torch
 
+    activation = Activation(
+        cache, env, None, None, None, manifest, notes, layout, device_index, rank
+    )
     if manifest.aoti is not None:
-        activation = Activation(cache, env, None, None, None, manifest, notes, layout, device_index)
-        activation.rank = rank
         return _activate_aoti(activation, compat)
     if torch_loaded:
-        from torch._dynamo.utils import counters
-
-        if counters["frames"]["total"]:
-            notes.append("activate() ran after torch.compile had already compiled frames")
-        for var, (module, attr, kind) in _CONFIG_BACKED.items():
-            if var in env and module in sys.modules:
-                setattr(sys.modules[module], attr, kind(env[var]))
-
-    report = None
+        _follow_env(env, notes)
     if compat != "ignore":
-        report = _compare(manifest, device_index, rank)
-        if not report.ok:
-            if compat == "fail":  # nothing imported from the artifact: as it was before
-                raise report.error()
-            message = report.miss_message()
-            warnings.warn(message, CompatWarning, stacklevel=2)
-            notes.append(message)
+        activation.check = _compare(manifest, device_index, rank)
+        _judge(activation.check, compat, notes, stacklevel=3)  # the caller of activate()
     # The artifact's bytecode serves every import from here on (Dynamo, Inductor): only once
     # the environment is the baked one, never code of an artifact the check refuses.
-    if manifest.bytecode and (report is None or report.ok):
+    if manifest.bytecode and (activation.check is None or activation.check.ok):
         notes.extend(_use_bytecode(cache / BYTECODE_DIR))
-    grid = len(manifest.grid)
-    limit = max(torch._dynamo.config.recompile_limit, 2 * grid + 2)
-    torch._dynamo.config.recompile_limit = limit
-
-    loaded = None
-    blob_path = manifest.megacache
-    if manifest.distributed is not None and rank is not None:
-        blob_path = manifest.distributed.ranks[rank].megacache
-    if megacache and blob_path and hasattr(torch.compiler, "load_cache_artifacts"):
-        blob = (cache / blob_path).read_bytes()
-        info = torch.compiler.load_cache_artifacts(blob)
-        loaded = info is not None
-        if not loaded:
-            notes.append("torch refused the Mega-Cache blob (the folder caches still apply)")
+    limit = max(torch._dynamo.config.recompile_limit, 2 * len(manifest.grid) + 2)
+    torch._dynamo.config.recompile_limit = activation.recompile_limit = limit
+    if megacache:
+        activation.megacache_loaded = _load_megacache(cache, manifest, rank, notes)
     prepare_inductor(served_torch_kwargs(manifest))
     slow_start = bytecode.uncached_reason()  # None once use() serves the artifact's
     if slow_start:
         notes.append(slow_start)
     for note in notes:
         log.warning("kiln: %s", note)
-    return Activation(cache, env, report, loaded, limit, manifest, notes, layout, device_index)
+    return activation
+
+
+def _baked_device_index(manifest: Manifest, rank: int | None) -> int:
+    """The CUDA device the bake (this rank's, of a K-rank artifact) compiled on."""
+    baked = manifest.fingerprint
+    if manifest.distributed is not None and rank is not None:
+        baked = manifest.distributed.ranks[rank].fingerprint
+    return baked.get("device.index") or 0
+
+
+def _follow_env(env: dict[str, str], notes: list[str]) -> None:
+    """For a torch imported before activate(): note frames it compiled already, and set the
+    variables torch read at import on its config objects (:data:`_CONFIG_BACKED`)."""
+    from torch._dynamo.utils import counters
+
+    if counters["frames"]["total"]:
+        notes.append("activate() ran after torch.compile had already compiled frames")
+    for var, (module, attr, kind) in _CONFIG_BACKED.items():
+        if var in env and module in sys.modules:
+            setattr(sys.modules[module], attr, kind(env[var]))
+
+
+def _judge(report: CheckReport, compat: Compat, notes: list[str], *, stacklevel: int) -> None:
+    """Act on a compatibility check as ``compat`` says: raise on a miss for "fail" (nothing is
+    imported from the artifact yet: the process is as it was), else warn (at ``stacklevel``
+    from here) and note it."""
+    if report.ok:
+        return
+    if compat == "fail":
+        raise report.error()
+    message = report.miss_message()
+    warnings.warn(message, CompatWarning, stacklevel=stacklevel)
+    notes.append(message)
+
+
+def _load_megacache(
+    cache: Path, manifest: Manifest, rank: int | None, notes: list[str]
+) -> bool | None:
+    """Load the Mega-Cache blob (this rank's) into torch's caches: whether torch took it, None
+    when the artifact has none or this torch cannot load one."""
+    import torch
+
+    blob_path = manifest.megacache
+    if manifest.distributed is not None and rank is not None:
+        blob_path = manifest.distributed.ranks[rank].megacache
+    if not blob_path or not hasattr(torch.compiler, "load_cache_artifacts"):
+        return None
+    loaded = torch.compiler.load_cache_artifacts((cache / blob_path).read_bytes()) is not None
+    if not loaded:
+        notes.append("torch refused the Mega-Cache blob (the folder caches still apply)")
+    return loaded
 
 
 def _activate_aoti(activation: Activation, compat: Compat) -> Activation:
@@ -250,12 +276,7 @@ def _activate_aoti(activation: Activation, compat: Compat) -> Activation:
         world = manifest.world_size if rank is not None else None
         report = compare_manifest(manifest, here, rank=rank, world_size=world)
         activation.check = report
-        if not report.ok:
-            if compat == "fail":
-                raise report.error()
-            message = report.miss_message()
-            warnings.warn(message, CompatWarning, stacklevel=3)
-            activation.warnings.append(message)
+        _judge(report, compat, activation.warnings, stacklevel=4)
     if manifest.bytecode and (report is None or report.ok):  # as activate() does, once checked
         activation.warnings.extend(_use_bytecode(activation.cache_dir / BYTECODE_DIR))
     for note in activation.warnings:
