@@ -7,7 +7,7 @@ installs it, and verify, bench and ``kiln.activate()`` serve from it.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 INDUCTOR_DIR = "inductor"  # DIR/inductor is TORCHINDUCTOR_CACHE_DIR
@@ -53,11 +53,12 @@ class CacheLayout:
     reads its own folder and nothing else changes. One rule for a bake's work folder, the
     artifact's members and a restored folder: a path built here is the same in all three.
 
-    ``root`` may be ``Path()``: every path is then relative, and :meth:`member` gives the
-    archive member name (archives name members with POSIX relative paths).
+    Without a ``root`` every path is relative (``CacheLayout(rank=1).megacache`` is
+    ``ranks/1/megacache.bin``), and :meth:`member` gives the archive member name of any of them
+    (archives name members with POSIX relative paths).
     """
 
-    root: Path
+    root: Path = field(default_factory=Path)
     rank: int | None = None
 
     @classmethod

@@ -24,7 +24,7 @@ from pathlib import Path
 from typing import Any, Literal, Protocol
 
 from kiln.envrules import ENV_KEY_PATTERN, is_cache_location
-from kiln.layout import ENV_NAME, INDUCTOR_DIR, RANKS_DIR, TRITON_HOME_DIR
+from kiln.layout import INDUCTOR_DIR, TRITON_HOME_DIR, CacheLayout
 
 
 # What this module reads of the spec and the manifest, which both import it: structural types,
@@ -142,11 +142,6 @@ def worker_env(extra: Mapping[str, str]) -> dict[str, str]:
     return env
 
 
-def rank_dir(dest: Path, rank: int | None) -> Path:
-    """Where rank ``rank``'s layout lives under ``dest`` (None: a 1-rank artifact, ``dest``)."""
-    return dest if rank is None else dest / RANKS_DIR / str(rank)
-
-
 def serving_rank(world_size: int, environ: Mapping[str, str] | None = None) -> int:
     """This process's rank among ``world_size``, from ``RANK`` or else ``LOCAL_RANK``.
 
@@ -172,15 +167,15 @@ def cache_env(dest: Path, env: Mapping[str, str], rank: int | None = None) -> di
 
     ``env`` is the manifest's, already checked by :func:`~kiln.envrules.env_key_problem`; then
     :data:`SERVING_ENV`; kiln's own locations come last so nothing can override them. ``rank``:
-    this process's rank in a K-rank artifact (its caches are under :func:`rank_dir`);
+    this process's rank in a K-rank artifact (its caches are in its :class:`CacheLayout`);
     ``KILN_CACHE_DIR`` stays the restored folder.
     """
-    layout = rank_dir(dest, rank)
+    layout = CacheLayout(dest, rank)
     return {
         **env,
         **SERVING_ENV,
-        "TORCHINDUCTOR_CACHE_DIR": str(layout / INDUCTOR_DIR),
-        "TRITON_HOME": str(layout / TRITON_HOME_DIR),
+        "TORCHINDUCTOR_CACHE_DIR": str(layout.inductor),
+        "TRITON_HOME": str(layout.triton_home),
         "KILN_CACHE_DIR": str(dest),
     }
 
@@ -194,7 +189,7 @@ def env_file_text(dest: Path, name: str, env: Mapping[str, str], world_size: int
     code (:func:`_rank_lines`): the restored path stays single-quoted, the rank is checked to be
     a number below K before it is used, and nothing else is expanded.
     """
-    source = _comment(str(dest / ENV_NAME))
+    source = _comment(str(CacheLayout(dest).env_file))
     lines = [f"# written by kiln restore for {_comment(name)}: `. {source}` to serve"]
     if world_size > 1:
         lines.append(f"# {world_size} ranks: source it in each rank's process (RANK or LOCAL_RANK)")
@@ -221,7 +216,7 @@ def _rank_lines(dest: Path, world_size: int) -> list[str]:
     fails on the compiles). The rank is only used, double-quoted, after that check; the path
     around it is single-quoted like every other value.
     """
-    base = shlex.quote(str(dest / RANKS_DIR))
+    base = shlex.quote(str(CacheLayout(dest).ranks_dir))
     exports = [
         f'  export {key}={base}/"$kiln_rank"/{shlex.quote(name)}'
         for key, name in _RANK_PATHS.items()

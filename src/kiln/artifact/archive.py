@@ -30,7 +30,7 @@ from kiln.artifact.manifest import (
 )
 from kiln.errors import IntegrityError, NotAnArtifactError, NotFoundError, UsageError
 from kiln.files import CHUNK, atomic_write
-from kiln.layout import MANIFEST_NAME
+from kiln.layout import MANIFEST_NAME, CacheLayout
 
 ARTIFACT_SUFFIX = ".kiln.tar.zst"  # NAME.kiln.tar.zst: an artifact or a bundle (the same format)
 # Every zstd frame starts with these bytes: a file without them is no artifact (nor bundle).
@@ -357,7 +357,7 @@ def read_manifest(path: str | Path) -> Manifest:
     precedes the payload, so it is instant even for multi-GB artifacts."""
     p = Path(path)
     if p.is_dir():
-        m = p / MANIFEST_NAME
+        m = CacheLayout(p).manifest
         if not m.is_file():
             raise NotFoundError(f"{p}: no {MANIFEST_NAME} (not a restored kiln folder)")
         with open(m, "rb") as fh:

@@ -18,7 +18,7 @@ from pathlib import Path
 
 from kiln.artifact.archive import sha256_file
 from kiln.artifact.manifest import FileEntry, Manifest
-from kiln.layout import ENV_NAME, LOCKS_TARGET, MANIFEST_NAME, STATE_NAME, lock_links
+from kiln.layout import LOCKS_TARGET, RESERVED_NAMES, lock_links
 
 
 @dataclass(frozen=True)
@@ -62,7 +62,7 @@ def changes(
     by what restore wrote rather than by the manifest."""
     expected = {entry.path: entry for entry in manifest.entries()}
     expected.update((entry.path, entry) for entry in relocated if entry.path in expected)
-    own = {MANIFEST_NAME, ENV_NAME, STATE_NAME}
+    own = RESERVED_NAMES
     links = set(lock_links(manifest.world_size))
     added: list[str] = []
     changed: list[str] = []

@@ -28,7 +28,7 @@ from kiln.bytecode import header_problem
 from kiln.errors import IntegrityError, KilnError
 from kiln.events import EventSink, Extracting
 from kiln.files import CHUNK
-from kiln.layout import ENV_NAME, LOCKS_TARGET, MANIFEST_NAME, STATE_NAME, lock_links
+from kiln.layout import LOCKS_TARGET, RESERVED_NAMES, lock_links
 
 _QUEUE = 16  # chunks in flight between the decompressing and the writing thread
 _HEADROOM = 1 << 20
@@ -72,7 +72,7 @@ def check_stage(tree: Path, dest: Path, manifest: Manifest) -> None:
     other processes can reach it; a tree missing files (or with others added) is never swapped.
     """
     expected = {f.path: f.size for f in manifest.entries()}
-    own = {MANIFEST_NAME, ENV_NAME, STATE_NAME}
+    own = RESERVED_NAMES
     links = set(lock_links(manifest.world_size))
     found: dict[str, int] = {}
     odd: list[str] = []

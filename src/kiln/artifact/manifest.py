@@ -32,7 +32,7 @@ from pydantic import (
 from kiln._version import __version__
 from kiln.bytecode import library_problem, pyc_path
 from kiln.envrules import env_key_problem, env_value_problem
-from kiln.layout import BYTECODE_DIR, RANKS_DIR, RESERVED_NAMES, rank_of
+from kiln.layout import BYTECODE_DIR, RANKS_DIR, RESERVED_NAMES, CacheLayout, rank_of
 from kiln.serving import MAX_NAME_LENGTH, MAX_WORLD_SIZE, NAME_PATTERN
 
 FORMAT_VERSION = 2  # the newest format this kiln reads
@@ -378,7 +378,7 @@ class RankCaches(_Model):
     """One rank of a K-rank artifact: what it compiled and in which environment.
 
     Its files are those under ``ranks/RANK/`` (stored or copies); a serving rank's
-    ``TORCHINDUCTOR_CACHE_DIR`` is ``ranks/RANK/inductor`` (:func:`kiln.serving.rank_dir`).
+    ``TORCHINDUCTOR_CACHE_DIR`` is ``ranks/RANK/inductor`` (:class:`kiln.layout.CacheLayout`).
     """
 
     rank: int = Field(ge=0, lt=MAX_WORLD_SIZE)
@@ -558,7 +558,7 @@ class Manifest(_Model):
         is rank 0's)."""
         if self.distributed is None:
             return [("", self.aoti)] if self.aoti is not None else []
-        return [(f"{RANKS_DIR}/{r.rank}/", r.aoti) for r in self.distributed.ranks if r.aoti]
+        return [(CacheLayout(rank=r.rank).prefix, r.aoti) for r in self.distributed.ranks if r.aoti]
 
     def _check_ranks(self, paths: set[str]) -> None:
         """A K-rank manifest is format 2 and keeps every file in one of its rank folders."""

@@ -64,7 +64,7 @@ from kiln.errors import IncompatibleError, IntegrityError, Param, UsageError, Wo
 from kiln.events import EventSink, Packed, Packing, ignore
 from kiln.factors import compare, misses
 from kiln.grid import assign_shards, expand
-from kiln.layout import MEGACACHE_NAME, PRECOMPILED_NAME, RANKS_DIR, rank_of
+from kiln.layout import MEGACACHE_NAME, CacheLayout, rank_of
 from kiln.spec import Spec
 
 # Manifest fields one spec determines: shards that differ in one were not baked from one spec.
@@ -460,7 +460,8 @@ def _blobs(
     or the top-level ones) into ``merged``; add their entries. The blob goes when it cannot be
     merged (it is not what a server reads; say so), the precompiled forwards are required (a
     ``precompile: true`` server loads them)."""
-    prefix, where = ("", "") if rank is None else (f"{RANKS_DIR}/{rank}/", f"rank {rank}: ")
+    target = CacheLayout(merged, rank)
+    where = "" if rank is None else f"rank {rank}: "
 
     def blob(item: _Input, field: str) -> str | None:
         owner: Manifest | RankCaches = item.manifest if rank is None else _rank(item.manifest, rank)
@@ -471,11 +472,11 @@ def _blobs(
     pairs = list(zip(inputs, trees, strict=True))
     have = [(i.path.name, t / m) for i, t in pairs if (m := blob(i, "megacache"))]
     if have and len(have) == len(inputs):
-        out = merged / (prefix + MEGACACHE_NAME)
+        out = target.megacache
         out.parent.mkdir(parents=True, exist_ok=True)
         try:
             merge_megacache(have, out)
-            megacache = prefix + MEGACACHE_NAME
+            megacache = target.member(out)
         except BlobFormatError as exc:
             out.unlink(missing_ok=True)
             warnings.append(f"{where}no Mega-Cache blob in the merged artifact: {exc}")
@@ -494,13 +495,13 @@ def _blobs(
                 f"{where}{', '.join(lacking)} has no precompiled forwards and other shards do: "
                 "their buckets would compile in a precompile server"
             )
-        out = merged / (prefix + PRECOMPILED_NAME)
+        out = target.precompiled
         out.parent.mkdir(parents=True, exist_ok=True)
         try:
             merge_precompiled(built, out)
         except BlobFormatError as exc:
             raise IntegrityError(f"{where}cannot merge the precompiled forwards: {exc}") from None
-        precompiled = prefix + PRECOMPILED_NAME
+        precompiled = target.member(out)
     for name in (megacache, precompiled):
         if name is not None:
             entries.append(_entry(merged / name, name))

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 from kiln.artifact.manifest import CopyEntry, FileEntry
 from kiln.artifact.payload import payload_lines
-from kiln.layout import RANKS_DIR
+from kiln.layout import CacheLayout
 
 
 @dataclass(frozen=True)
@@ -42,7 +42,7 @@ def store_once(files_by_rank: list[list[FileEntry]]) -> Stored:
     first: dict[tuple[str, int], str] = {}
     for rank, files in enumerate(files_by_rank):
         if rank > 0 and same_compile(files_by_rank[0], files):
-            prefix = f"{RANKS_DIR}/{rank}/"
+            prefix = CacheLayout(rank=rank).prefix
             for entry in files_by_rank[0]:
                 path = prefix + entry.path.split("/", 2)[2]
                 # Rank 0's file may itself be a copy (two of its files with equal bytes):

@@ -44,12 +44,10 @@ from kiln.errors import IntegrityError, KilnError, Param, UsageError, Worded
 from kiln.events import DestChanged, EventSink, Fetched, Fetching, ignore
 from kiln.files import CHUNK, atomic_write
 from kiln.layout import (
-    ENV_NAME,
-    INDUCTOR_DIR,
     LOCKS_TARGET,
     MANIFEST_NAME,
-    RANKS_DIR,
     STATE_NAME,
+    CacheLayout,
     lock_links,
 )
 from kiln.serving import env_file_text
@@ -69,6 +67,7 @@ class RestoreResult:
     choice: Choice | None = None  # the variant installed, when SOURCE is a bundle
 
     def summary(self) -> dict[str, Any]:
+        layout = CacheLayout(self.dest)
         return {
             "provenance": self.provenance,
             "variant": self.choice.summary() if self.choice is not None else None,
@@ -80,9 +79,9 @@ class RestoreResult:
             "seconds": round(self.seconds, 3),
             "noop": self.noop,
             "env_file": str(self.env_file),
-            "cache_dir": str(self.dest / INDUCTOR_DIR)
+            "cache_dir": str(layout.inductor)
             if self.manifest.distributed is None
-            else str(self.dest / RANKS_DIR),  # ranks/R/inductor: each rank's
+            else str(layout.ranks_dir),  # ranks/R/inductor: each rank's
             "ranks": self.manifest.world_size,
         }
 
@@ -202,7 +201,7 @@ def _check_dest(dest: Path) -> None:
                 f"{dest}: is a mount point and cannot be swapped atomically; "
                 f"restore into a subfolder (e.g. {dest / 'kiln'})"
             )
-        if any(dest.iterdir()) and not (dest / STATE_NAME).exists():
+        if any(dest.iterdir()) and not CacheLayout(dest).state_file.exists():
             raise UsageError(f"{dest}: not empty and not a kiln folder; refusing to replace it")
 
 
@@ -458,11 +457,12 @@ def _unless_changed(installed: Installed | None, emit: EventSink) -> Installed |
 def _complete(tree: Path, dest: Path, manifest: Manifest, state: dict[str, Any]) -> None:
     """Add restore's own files to the unpacked ``tree`` (manifest, ``kiln.env``, the state
     file, the lock links) and check it is exactly what the manifest lists, ready to swap."""
-    (tree / MANIFEST_NAME).write_bytes(manifest.to_bytes())
-    (tree / ENV_NAME).write_text(
+    staged = CacheLayout(tree)
+    staged.manifest.write_bytes(manifest.to_bytes())
+    staged.env_file.write_text(
         env_file_text(dest, manifest.name, manifest.env, manifest.world_size)
     )
-    (tree / STATE_NAME).write_text(json.dumps(state))
+    staged.state_file.write_text(json.dumps(state))
     for link in lock_links(manifest.world_size):
         (tree / link).parent.mkdir(parents=True, exist_ok=True)
         (tree / link).symlink_to(LOCKS_TARGET)
@@ -474,7 +474,7 @@ def _complete(tree: Path, dest: Path, manifest: Manifest, state: dict[str, Any])
         "stamp_ns": stamp(tree, manifest),
         "relocated": [entry.model_dump(mode="json") for entry in moved],
     }
-    (tree / STATE_NAME).write_text(json.dumps(state))
+    staged.state_file.write_text(json.dumps(state))
 
 
 def _noop(
@@ -513,9 +513,10 @@ def _result(
 
 
 def _write_env_copy(dest: Path, env_file: str | Path | None) -> Path:
+    written = CacheLayout(dest).env_file
     if env_file is None:
-        return dest / ENV_NAME
+        return written
     target = Path(env_file).absolute()
-    with open(dest / ENV_NAME, "rb") as src, atomic_write(target) as out:
+    with open(written, "rb") as src, atomic_write(target) as out:
         shutil.copyfileobj(src, out, CHUNK)
     return target

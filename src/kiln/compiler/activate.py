@@ -30,8 +30,8 @@ from kiln.artifact.archive import read_manifest
 from kiln.artifact.manifest import Manifest
 from kiln.compiler.check import CheckReport, compare_manifest
 from kiln.errors import UsageError
-from kiln.layout import BYTECODE_DIR, PRECOMPILED_NAME
-from kiln.serving import OnMiss, cache_env, rank_dir, served_torch_kwargs, serving_rank
+from kiln.layout import CacheLayout
+from kiln.serving import OnMiss, cache_env, served_torch_kwargs, serving_rank
 
 log = logging.getLogger("kiln")
 
@@ -116,9 +116,10 @@ class Activation:
         if self.manifest.precompiled:
             from kiln.compiler.precompile import PrecompiledForward
 
-            folder = self.layout or self.cache_dir
-            name = PRECOMPILED_NAME if self.manifest.distributed else self.manifest.precompiled
-            blob = (folder / name).read_bytes()
+            path = self.cache_dir / self.manifest.precompiled
+            if self.manifest.distributed:  # the top-level one is rank 0's: each has its own
+                path = CacheLayout(self.cache_dir, self.rank).precompiled
+            blob = path.read_bytes()
             try:
                 return PrecompiledForward.load(model, kwargs, blob)
             except Exception as exc:  # torch's checks raise assorted types; say which, go on
@@ -176,7 +177,7 @@ def activate(
     rank = _rank(cache, manifest, rank)
     if device_index is None:
         device_index = _baked_device_index(manifest, rank)
-    layout = rank_dir(cache, rank)
+    layout = CacheLayout(cache, rank)
     env = cache_env(cache, manifest.env, rank)
     notes: list[str] = []
     torch_loaded = "torch" in sys.modules
@@ -185,7 +186,7 @@ def activate(
     import torch
 
     activation = Activation(
-        cache, env, None, None, None, manifest, notes, layout, device_index, rank
+        cache, env, None, None, None, manifest, notes, layout.dir, device_index, rank
     )
     if manifest.aoti is not None:
         return _activate_aoti(activation, compat)
@@ -197,7 +198,7 @@ def activate(
     # The artifact's bytecode serves every import from here on (Dynamo, Inductor): only once
     # the environment is the baked one, never code of an artifact the check refuses.
     if manifest.bytecode and (activation.check is None or activation.check.ok):
-        notes.extend(_use_bytecode(cache / BYTECODE_DIR))
+        notes.extend(_use_bytecode(layout.bytecode))
     limit = max(torch._dynamo.config.recompile_limit, 2 * len(manifest.grid) + 2)
     torch._dynamo.config.recompile_limit = activation.recompile_limit = limit
     if megacache:
@@ -278,7 +279,7 @@ def _activate_aoti(activation: Activation, compat: Compat) -> Activation:
         activation.check = report
         _judge(report, compat, activation.warnings, stacklevel=4)
     if manifest.bytecode and (report is None or report.ok):  # as activate() does, once checked
-        activation.warnings.extend(_use_bytecode(activation.cache_dir / BYTECODE_DIR))
+        activation.warnings.extend(_use_bytecode(CacheLayout(activation.cache_dir).bytecode))
     for note in activation.warnings:
         log.warning("kiln: %s", note)
     return activation

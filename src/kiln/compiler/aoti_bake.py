@@ -30,8 +30,10 @@ from typing import Any
 from kiln.artifact.manifest import Aoti, AotiInput, AotiProgram, TensorMeta
 from kiln.compiler.aoti_serve import AotiModel, dtype_name, model_tensors
 from kiln.compiler.failures import SpecProblem
-from kiln.layout import AOTI_DIR
+from kiln.layout import CacheLayout
 
+# A package's path in the manifest is relative to its layout's folder (a rank's, or the root).
+_TOP = CacheLayout()
 # What of a package's model folder is never read by the runner (sources, build flags).
 _NOT_SHIPPED = (".cpp", ".h", "_compile_flags.json", "_linker_flags.json")
 # Inductor options that do not apply to an AOTInductor package: CUDA graphs are the serving
@@ -138,7 +140,7 @@ class AotiBuilder:
             name = package_folder(key if self.ranges is None else None)
             traced = self._largest(example) if self.ranges is not None else example
             library = self._build(traced, self.out / name)
-            folder = f"{AOTI_DIR}/{name}"
+            folder = _TOP.member(_TOP.aoti / name)
             program = AotiProgram(path=folder, library=library, buckets=[key], ranges=self.ranges)
             self.info.programs.append(program)
         self.served = AotiModel(

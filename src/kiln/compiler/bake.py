@@ -73,22 +73,12 @@ from kiln.events import (
     ignore,
 )
 from kiln.grid import Bucket, Shard, expand, ordered, rotations, shard_grid
-from kiln.layout import (
-    AOTI_DIR,
-    BYTECODE_DIR,
-    FRAMES_DIR,
-    INDUCTOR_DIR,
-    MEGACACHE_NAME,
-    PRECOMPILED_NAME,
-    RANKS_DIR,
-    TRITON_HOME_DIR,
-)
+from kiln.layout import AOTI_DIR, CacheLayout
 from kiln.serving import (
     DEFAULT_ON_MISS,
     SERVING_ENV,
     cold_torch_kwargs,
     compile_env,
-    rank_dir,
     torch_kwargs,
 )
 from kiln.spec import MAX_PASSES, Spec, load_spec
@@ -223,15 +213,14 @@ def _capture(spec: Spec, work: Path) -> tuple[list[FileEntry], Stored | None]:
     where ranks share them (:func:`kiln.artifact.rank_copies.store_once`; the rest are copies)."""
     aoti = spec.compile.route == "aoti"  # the packages are the whole payload: no cache folder
     if spec.distributed is None:
-        files = capture_tree(work / AOTI_DIR, AOTI_DIR) if aoti else capture(work)
-        files += capture_bytecode(work / BYTECODE_DIR)  # the ranks' bakes ship none
+        top = CacheLayout(work)
+        files = capture_tree(top.aoti, AOTI_DIR) if aoti else capture(top.dir)
+        files += capture_bytecode(top.bytecode)  # the ranks' bakes ship none
         return sorted(files, key=lambda e: e.path), None
     by_rank = []
-    for rank in range(spec.world_size):
-        prefix = f"{RANKS_DIR}/{rank}/"
-        folder = rank_dir(work, rank)
-        entries = capture_tree(folder / AOTI_DIR, AOTI_DIR) if aoti else capture(folder)
-        by_rank.append([e.model_copy(update={"path": prefix + e.path}) for e in entries])
+    for layout in CacheLayout.ranks(work, spec.world_size):
+        entries = capture_tree(layout.aoti, AOTI_DIR) if aoti else capture(layout.dir)
+        by_rank.append([e.model_copy(update={"path": layout.prefix + e.path}) for e in entries])
     stored = store_once(by_rank)
     return stored.files, stored
 
@@ -242,27 +231,24 @@ def _with_ranks(spec: Spec, manifest: Manifest, runs: list[WorkerRun], stored: S
     assert spec.distributed is not None
     copies = stored.copies
     listed = {f.path for f in manifest.files} | {c.path for c in copies}
-
-    def blob(rank: int, name: str) -> str | None:
-        path = f"{RANKS_DIR}/{rank}/{name}"
-        return path if path in listed else None
-
-    per_rank = [
-        RankCaches(
-            rank=rank,
-            fingerprint=runs[0].results[rank].fingerprint or {},
-            grid=_sorted_grid(runs[0].results[rank].buckets, manifest.grid),
-            passes=[
-                PassStats(order=p.order, compiles=run.results[rank].compiles, wall_s=p.wall_s)
-                for p, run in zip(manifest.passes, runs, strict=True)
-            ],
-            megacache=blob(rank, MEGACACHE_NAME),
-            precompiled=blob(rank, PRECOMPILED_NAME),
-            aoti=_aoti(spec, runs[0].results[rank].aoti),
-            same_as=stored.same_as[rank],
+    per_rank = []
+    for rank in range(spec.world_size):
+        layout = CacheLayout(rank=rank)
+        per_rank.append(
+            RankCaches(
+                rank=rank,
+                fingerprint=runs[0].results[rank].fingerprint or {},
+                grid=_sorted_grid(runs[0].results[rank].buckets, manifest.grid),
+                passes=[
+                    PassStats(order=p.order, compiles=run.results[rank].compiles, wall_s=p.wall_s)
+                    for p, run in zip(manifest.passes, runs, strict=True)
+                ],
+                megacache=_listed(listed, layout, layout.megacache),
+                precompiled=_listed(listed, layout, layout.precompiled),
+                aoti=_aoti(spec, runs[0].results[rank].aoti),
+                same_as=stored.same_as[rank],
+            )
         )
-        for rank in range(spec.world_size)
-    ]
     distributed = Distributed(
         world_size=spec.world_size, backend=spec.distributed.backend, ranks=per_rank
     )
@@ -277,6 +263,12 @@ def _with_ranks(spec: Spec, manifest: Manifest, runs: list[WorkerRun], stored: S
     out = Manifest.model_validate({**manifest.model_dump(), **update})
     # Every file a restore installs, copies included: a copy changed is a different payload.
     return out.model_copy(update={"payload_sha256": payload_sha256(out.entries())})
+
+
+def _listed(listed: set[str], layout: CacheLayout, path: Path) -> str | None:
+    """``path`` of the relative ``layout`` as a member name, when the artifact lists it."""
+    member = layout.member(path)
+    return member if member in listed else None
 
 
 def _sorted_grid(buckets: list[Any], like: list[Any]) -> list[Any]:
@@ -334,24 +326,26 @@ class _Baker:
     _bytecode: Bytecode | None = None
 
     def __post_init__(self) -> None:
-        self.root = self.work / INDUCTOR_DIR
+        # The 1-rank layout: kiln.compiler.ranks moves each of its paths into a rank's folder.
+        self.layout = CacheLayout(self.work)
+        self.root = self.layout.inductor
         self.root.mkdir()
         self.env = {
             **compile_env(self.spec),
             "TORCHINDUCTOR_CACHE_DIR": str(self.root),
             # Triton's own default (~/.triton) is outside the root: keep it private too, and
             # ship it (kiln.layout.TRITON_HOME_DIR says why).
-            "TRITON_HOME": str(self.work / TRITON_HOME_DIR),
+            "TRITON_HOME": str(self.layout.triton_home),
         }
         route = self.spec.compile.precompile_route
-        precompile = self.work / PRECOMPILED_NAME if route == "aot" else None
+        precompile = self.layout.precompiled if route == "aot" else None
         self.first = WorkerRequest(
             order=[b.key for b in self.buckets],
             torch_kwargs=cold_torch_kwargs(self.spec.compile),
             calls=self.spec.warmup.calls,
             steady_calls=5,
             cache_root=str(self.root),
-            megacache_save=str(self.work / MEGACACHE_NAME),
+            megacache_save=str(self.layout.megacache),
             precompile_save=str(precompile) if precompile else None,
             frames="record" if route == "frames" else None,
             fingerprint=True,
@@ -373,7 +367,7 @@ class _Baker:
     def _aoti_build(self) -> AotiBuild:
         c = self.spec.compile
         return AotiBuild(
-            folder=str(self.work / AOTI_DIR),
+            folder=str(self.layout.aoti),
             options=c.inductor_options(),
             weights=c.weights,
             ranged=c.dynamic is True,
@@ -411,16 +405,12 @@ class _Baker:
             report_imports=False,
         )
         run_worker(self.spec, request, self.env, on_event=self.emit)
-        for layout in self._layouts():
-            for graphs in (*_GRAPH_DIRS, FRAMES_DIR):
-                shutil.rmtree(layout / INDUCTOR_DIR / graphs, ignore_errors=True)
-            for blob in (MEGACACHE_NAME, PRECOMPILED_NAME):
-                (layout / blob).unlink(missing_ok=True)
-
-    def _layouts(self) -> list[Path]:
-        if self.spec.distributed is None:
-            return [self.work]
-        return [rank_dir(self.work, rank) for rank in range(self.spec.world_size)]
+        world = self.spec.world_size if self.spec.distributed else None
+        for layout in CacheLayout.ranks(self.work, world):
+            for graphs in (*(layout.inductor / name for name in _GRAPH_DIRS), layout.frames):
+                shutil.rmtree(graphs, ignore_errors=True)
+            for blob in (layout.megacache, layout.precompiled):
+                blob.unlink(missing_ok=True)
 
     def compile_passes(self, passes: int | None) -> None:
         """The passes ``passes`` (or the spec) asks for, each in another order; automatic
@@ -466,7 +456,7 @@ class _Baker:
         sources = sorted({s for run in self.runs for r in run.results for s in r.imported_sources})
         if not sources:
             return None
-        folder = self.work / BYTECODE_DIR
+        folder = self.layout.bytecode
         shutil.rmtree(folder, ignore_errors=True)
         count = bytecode.write(sources, folder)
         return Bytecode(python=sys.implementation.cache_tag, modules=count) if count else None
@@ -612,6 +602,8 @@ def _manifest(
     bytecode: Bytecode | None = None,
 ) -> Manifest:
     first = runs[0]
+    top = CacheLayout()
+    listed = {f.path for f in files}
     frames = _frames(spec, first, files)
     if spec.compile.precompile_route == "frames" and frames is None:
         warnings = [
@@ -652,8 +644,8 @@ def _manifest(
         # Extra field (manifests allow them): equal for two bakes that compiled the same thing,
         # while the artifact digest also covers timings (kiln.artifact.payload explains).
         payload_sha256=payload_sha256(files),
-        megacache=MEGACACHE_NAME if any(f.path == MEGACACHE_NAME for f in files) else None,
-        precompiled=PRECOMPILED_NAME if any(f.path == PRECOMPILED_NAME for f in files) else None,
+        megacache=_listed(listed, top, top.megacache),
+        precompiled=_listed(listed, top, top.precompiled),
         precompiled_frames=frames,
         bytecode=bytecode,  # with the files: the manifest checks each pyc against it
         # a K-rank bake's are each rank's, set by _with_ranks
@@ -673,7 +665,8 @@ def _aoti(spec: Spec, built: Aoti | None) -> Aoti | None:
 
 def _frames(spec: Spec, first: WorkerRun, files: list[FileEntry]) -> PrecompiledFrames | None:
     """Dynamo's saved frames, when the spec asked for them and the first pass wrote some."""
-    prefix = f"{INDUCTOR_DIR}/{FRAMES_DIR}/"
+    top = CacheLayout()
+    prefix = top.member(top.frames) + "/"
     module = first.result.forward_module
     if spec.compile.precompile_route != "frames" or module is None:
         return None

@@ -45,12 +45,11 @@ from kiln.compiler.verify import first_process, made_for, rank_buckets, served_r
 from kiln.errors import Param, UsageError, Worded
 from kiln.events import EventSink, ModeStarted, ignore
 from kiln.grid import expand, ordered
-from kiln.layout import INDUCTOR_DIR, MEGACACHE_NAME
+from kiln.layout import CacheLayout
 from kiln.serving import (
     cache_env,
     cold_torch_kwargs,
     compile_env,
-    rank_dir,
     served_torch_kwargs,
     torch_kwargs,
     with_compile_threads,
@@ -61,6 +60,7 @@ MODES = ("eager", "cold", "kiln", "megacache", "copied")
 # Opt-in: the restored folder *plus* the hot-loaded blob (kiln.activate's route), and kiln with
 # kernels loaded in-process.
 EXTRA_MODES = ("kiln-blob", "kiln-serial", "aoti")
+_RESTORED = "restored"  # the folder of the work folder that bench restores the artifact into
 ALL_MODES = (*MODES, *EXTRA_MODES)  # what bench() accepts, in report order
 
 
@@ -222,7 +222,7 @@ def bench(
         plain_cold = cold_run or spec.compile.precompile
         results, bare_wall = bench_.cold(chosen, plain_cold, cold_run)
         t0 = time.time()
-        restore(baked.artifact, work / "restored")
+        restore(baked.artifact, work / _RESTORED)
         restore_s = time.time() - t0
         results |= _served(bench_.plans(), chosen, repeat)
         return BenchReport(
@@ -308,10 +308,9 @@ class _Bench:
 
     def __post_init__(self) -> None:
         assert self.baked.workdir is not None  # bench bakes with keep_workdir
-        # The stock alternatives' sources: the bake's own folder and blob, unless a plain
-        # cold run replaces them (cold()).
-        self.stock_root = self.baked.workdir / INDUCTOR_DIR
-        self.stock_blob = self.baked.workdir / MEGACACHE_NAME
+        # The stock alternatives' source: the bake's own folder and blob, unless a plain cold
+        # run replaces them (cold()).
+        self.stock = CacheLayout(self.baked.workdir)
         self.env = compile_env(self.spec)
         self.request = WorkerRequest(
             order=self.order,
@@ -328,7 +327,7 @@ class _Bench:
         return run_worker(self.spec, request, env, on_event=self.emit)
 
     def _empty(self, name: str) -> Path:
-        root = self.work / name / INDUCTOR_DIR
+        root = CacheLayout(self.work / name).inductor
         root.mkdir(parents=True)
         return root
 
@@ -346,14 +345,13 @@ class _Bench:
             return {"cold": _mode("cold", first, note)}, first.wall_s
         if not {"cold", "megacache", "copied"} & set(modes):
             return {}, first.wall_s
-        self.stock_root = self._empty("cold")
-        self.stock_blob = self.work / "cold" / MEGACACHE_NAME
+        self.stock = CacheLayout(self._empty("cold").parent)
         request = self.request.replace(
             torch_kwargs=cold_torch_kwargs(self.spec.compile),
-            cache_root=str(self.stock_root),
-            megacache_save=str(self.stock_blob),
+            cache_root=str(self.stock.inductor),
+            megacache_save=str(self.stock.megacache),
         )
-        env = {**self.env, "TORCHINDUCTOR_CACHE_DIR": str(self.stock_root)}
+        env = {**self.env, "TORCHINDUCTOR_CACHE_DIR": str(self.stock.inductor)}
         run = self._run("cold", 0, env, request, runs=1)
         row = _mode("cold", run, "plain torch.compile, empty cache")
         return {"cold": row}, run.wall_s if own_wall else first.wall_s
@@ -384,7 +382,7 @@ class _Bench:
                 temp,
             )
         if mode == "kiln-blob":
-            request = request.replace(megacache_load=str(dest / MEGACACHE_NAME))
+            request = request.replace(megacache_load=str(CacheLayout(dest).megacache))
         if mode == "kiln-serial":
             kwargs = with_compile_threads(served_torch_kwargs(manifest), 1)
             request = request.replace(torch_kwargs=kwargs)
@@ -419,14 +417,17 @@ class _Bench:
     def megacache(self, i: int) -> WorkerRun:
         root = self._empty(f"megacache-{i}")
         env = {**self.env, "TORCHINDUCTOR_CACHE_DIR": str(root)}
-        request = self.request.replace(cache_root=str(root), megacache_load=str(self.stock_blob))
+        request = self.request.replace(
+            cache_root=str(root), megacache_load=str(self.stock.megacache)
+        )
         return self._run("megacache", i, env, request)
 
     def copied(self, i: int) -> WorkerRun:
-        root = self.work / f"copied-{i}" / INDUCTOR_DIR
-        for rank in self._ranks():  # a K-rank bake: each rank's folder (kiln.compiler.ranks)
-            src = rank_dir(self.stock_root.parent, rank) / INDUCTOR_DIR
-            shutil.copytree(src, rank_dir(root.parent, rank) / INDUCTOR_DIR, symlinks=True)
+        copy = self.work / f"copied-{i}"
+        # A K-rank bake: each rank's folder (kiln.compiler.ranks).
+        for src in CacheLayout.ranks(self.stock.root, self._world()):
+            shutil.copytree(src.inductor, CacheLayout(copy, src.rank).inductor, symlinks=True)
+        root = CacheLayout(copy).inductor
         env = {**self.env, "TORCHINDUCTOR_CACHE_DIR": str(root)}
         return self._run("copied", i, env, self.request.replace(cache_root=str(root)))
 
@@ -458,14 +459,14 @@ class _Bench:
         if self.aoti_baked is None:
             plans.pop("aoti")
         first = 0 if self.spec.distributed else None  # rank 0's stands for every rank's
-        if not (rank_dir(self.work / "restored", first) / MEGACACHE_NAME).is_file():
+        if not CacheLayout(self.work / _RESTORED, first).megacache.is_file():
             plans.pop("kiln-blob")
-        if not (rank_dir(self.stock_blob.parent, first) / MEGACACHE_NAME).is_file():
+        if not CacheLayout(self.stock.root, first).megacache.is_file():
             plans.pop("megacache")
         return plans
 
-    def _ranks(self) -> list[int | None]:
-        return list(range(self.spec.world_size)) if self.spec.distributed else [None]
+    def _world(self) -> int | None:
+        return self.spec.world_size if self.spec.distributed else None
 
 
 def _served(plans: dict[str, _Plan], chosen: tuple[str, ...], repeat: int) -> dict[str, ModeResult]:

@@ -20,12 +20,14 @@ from kiln.layout import (
     BYTECODE_DIR,
     FRAMES_DIR,
     INDUCTOR_DIR,
+    LOCKS_DIR,
     MEGACACHE_NAME,
     PRECOMPILED_NAME,
     TRITON_HOME_DIR,
+    CacheLayout,
 )
 
-_SKIP_DIRS = frozenset({"locks", "__pycache__"})
+_SKIP_DIRS = frozenset({LOCKS_DIR, "__pycache__"})
 _TOP_KINDS = {
     "fxgraph": "fxgraph",
     "aotautograd": "aotautograd",
@@ -70,14 +72,15 @@ def cache_kind(rel: str) -> str:
     return "other"
 
 
-def capture(layout: Path) -> list[FileEntry]:
-    """File entries for one compiling process's layout: its cache root (``inductor/``), the
-    native helpers Triton built outside it (``triton-home/``, see
+def capture(folder: Path) -> list[FileEntry]:
+    """File entries for one compiling process's layout at ``folder``: its cache root
+    (``inductor/``), the native helpers Triton built outside it (``triton-home/``, see
     :data:`~kiln.layout.TRITON_HOME_DIR`), and the blobs that exist (the Mega-Cache blob, the
     precompiled forwards), stored at the artifact root by name."""
-    entries = _tree(layout / INDUCTOR_DIR, INDUCTOR_DIR)
-    entries += capture_tree(layout / TRITON_HOME_DIR, TRITON_HOME_DIR)
-    blobs = (layout / MEGACACHE_NAME, layout / PRECOMPILED_NAME)
+    layout = CacheLayout(folder)
+    entries = _tree(layout.inductor, INDUCTOR_DIR)
+    entries += capture_tree(layout.triton_home, TRITON_HOME_DIR)
+    blobs = (layout.megacache, layout.precompiled)
     entries.extend(_entry(blob, blob.name) for blob in blobs if blob.is_file())
     return sorted(entries, key=lambda e: e.path)
 

@@ -16,7 +16,7 @@ from kiln.compiler.failures import Incompatible, SpecProblem, one_line
 from kiln.compiler.measure import Forward
 from kiln.compiler.protocol import WorkerRequest
 from kiln.compiler.ranks import Rank
-from kiln.serving import rank_dir
+from kiln.layout import CacheLayout
 from kiln.spec import Spec
 
 if TYPE_CHECKING:
@@ -147,7 +147,7 @@ def _aoti_served(
     try:
         # A miss is counted as one (verify fails on it) rather than raised mid-pass.
         served = aoti_serve.AotiModel(
-            model, aoti, rank_dir(folder, rank), device_index=index, on_miss="eager"
+            model, aoti, CacheLayout(folder, rank).dir, device_index=index, on_miss="eager"
         )
     except aoti_serve.WeightsMismatchError as exc:
         raise SpecProblem("model", str(exc)) from exc

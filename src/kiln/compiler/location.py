@@ -30,8 +30,7 @@ from pathlib import Path
 
 from kiln.artifact.manifest import Manifest
 from kiln.factors import Factor
-from kiln.layout import INDUCTOR_DIR
-from kiln.serving import rank_dir
+from kiln.layout import CacheLayout
 
 CACHE_VAR = "TORCHINDUCTOR_CACHE_DIR"
 FACTOR = f"env.{CACHE_VAR}"
@@ -51,7 +50,7 @@ def location_factor(
         return None
     environ = os.environ if environ is None else environ
     serving_rank = (rank or 0) if manifest.distributed is not None else None
-    expected = rank_dir(folder.absolute(), serving_rank) / INDUCTOR_DIR
+    expected = CacheLayout(folder.absolute(), serving_rank).inductor
     here = environ.get(CACHE_VAR) or None
     if here is None:
         note = f"not set here: serve through kiln.activate(DIR), or source {folder}/kiln.env"

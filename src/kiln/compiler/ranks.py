@@ -9,7 +9,7 @@ each rank's worker reads ``RANK``/``LOCAL_RANK``/``WORLD_SIZE`` as torchrun sets
 
 The layout rule that makes this a few lines in bake, verify and bench: what a 1-rank pass keeps
 at ``FOLDER/NAME`` (``inductor``, ``megacache.bin``, ``precompiled.bin``, ``triton-home``),
-rank R keeps at ``FOLDER/ranks/R/NAME`` (:func:`kiln.serving.rank_dir`), in the work folder, in
+rank R keeps at ``FOLDER/ranks/R/NAME`` (:class:`kiln.layout.CacheLayout`), in the work folder, in
 the artifact and in a restored folder alike. :func:`rank_requests` rewrites a 1-rank request
 into K such requests; the per-rank environment (its ``TORCHINDUCTOR_CACHE_DIR``) travels in the
 request, since torchrun gives every rank the same environment.
@@ -28,7 +28,7 @@ from pathlib import Path
 from typing import Any
 
 from kiln.compiler.protocol import WorkerRequest
-from kiln.serving import rank_dir
+from kiln.layout import CacheLayout
 from kiln.spec import RANK_KWARGS, Spec
 
 RANK_PLACEHOLDER = "{rank}"  # in the worker's argv: each rank reads its own request file
@@ -68,7 +68,7 @@ LAUNCH_VARS = (
 def in_rank_folder(path: str | Path, rank: int) -> str:
     """``FOLDER/NAME`` as rank ``rank`` keeps it: ``FOLDER/ranks/RANK/NAME``."""
     p = Path(path)
-    return str(rank_dir(p.parent, rank) / p.name)
+    return str(CacheLayout(p.parent, rank).dir / p.name)
 
 
 def rank_requests(

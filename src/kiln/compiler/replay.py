@@ -40,7 +40,7 @@ from kiln.errors import (
     Worded,
 )
 from kiln.events import EventSink
-from kiln.layout import INDUCTOR_DIR
+from kiln.layout import INDUCTOR_DIR, CacheLayout
 from kiln.padding import OffGridError, shape_key
 from kiln.serving import ON_MISS, OnMiss, cache_env, worker_env
 from kiln.spec import Spec, load_spec
@@ -200,7 +200,7 @@ def replay(
     """Serve ``traffic``'s requests from the restored folder ``cache`` in a fresh process."""
     spec = spec if isinstance(spec, Spec) else load_spec(spec)
     cache = Path(cache).absolute()
-    if not (cache / INDUCTOR_DIR).is_dir():
+    if not CacheLayout(cache).inductor.is_dir():
         raise NotFoundError(f"{cache}: no {INDUCTOR_DIR}/ folder (restore an artifact there first)")
     if on_miss is not None and on_miss not in ON_MISS:
         raise ParameterError("on_miss", on_miss, f"one of {', '.join(ON_MISS)}", shown=str(on_miss))

@@ -36,8 +36,8 @@ from kiln.errors import IncompatibleError, NotFoundError, UsageError
 from kiln.events import EventSink
 from kiln.files import atomic_write
 from kiln.grid import expand, off_grid, ordered
-from kiln.layout import AOTI_DIR, BYTECODE_DIR, INDUCTOR_DIR, PRECOMPILED_NAME
-from kiln.serving import cache_env, rank_dir, served_torch_kwargs
+from kiln.layout import INDUCTOR_DIR, CacheLayout
+from kiln.serving import cache_env, served_torch_kwargs
 from kiln.spec import Spec, differing_keys, load_spec
 
 _VERIFY_STREAMS = 100  # input streams below this are the bake's passes
@@ -209,13 +209,14 @@ def served_request(
     For a K-rank artifact the paths are the layout's names under ``cache``, which
     :mod:`kiln.compiler.ranks` moves into each rank's folder. A ``compile.route: aoti``
     artifact's packages are called without Dynamo or Inductor (nothing is compiled)."""
+    layout = CacheLayout(cache)
+    bytecode = str(layout.bytecode) if manifest.bytecode else None
     if manifest.aoti is not None:
         request = WorkerRequest(
             order=order, torch_kwargs=None, calls=calls, steady_calls=10, first_request=True
         )
         if route is not None:  # kiln.activate(DIR).compile(model), as its server does
-            return request.replace(cache_root=str(cache / INDUCTOR_DIR), route=route)
-        bytecode = str(cache / BYTECODE_DIR) if manifest.bytecode else None
+            return request.replace(cache_root=str(layout.inductor), route=route)
         return request.replace(aoti_load=str(cache), bytecode=bytecode)
     base = WorkerRequest(
         order=order,
@@ -223,17 +224,17 @@ def served_request(
         calls=calls,
         steady_calls=10,
         first_request=True,
-        cache_root=str(cache / INDUCTOR_DIR),
+        cache_root=str(layout.inductor),
     )
     if route is not None:  # the route's server loads what it loads itself
         return base.replace(route=route)
-    precompiled = manifest.precompiled
+    precompiled = cache / manifest.precompiled if manifest.precompiled else None
     if precompiled and manifest.distributed:
-        precompiled = PRECOMPILED_NAME  # ranks/0/precompiled.bin is rank 0's: each has its own
+        precompiled = layout.precompiled  # ranks/0/precompiled.bin is rank 0's: each has its own
     return base.replace(
-        precompile_load=str(cache / precompiled) if precompiled else None,
+        precompile_load=str(precompiled) if precompiled else None,
         frames="serve" if manifest.precompiled_frames else None,
-        bytecode=str(cache / BYTECODE_DIR) if manifest.bytecode else None,
+        bytecode=bytecode,
     )
 
 
@@ -265,8 +266,9 @@ def verify(
     serves a private copy of the folder (``cache`` itself is never written)."""
     spec = spec if isinstance(spec, Spec) else load_spec(spec)
     cache = Path(cache).absolute()
-    first = rank_dir(cache, 0) if (cache / "ranks").is_dir() else cache
-    if not (first / INDUCTOR_DIR).is_dir() and not (cache / AOTI_DIR).is_dir():
+    top = CacheLayout(cache)
+    first = CacheLayout(cache, 0) if top.ranks_dir.is_dir() else top
+    if not first.inductor.is_dir() and not top.aoti.is_dir():
         raise NotFoundError(f"{cache}: no {INDUCTOR_DIR}/ folder (restore an artifact there first)")
     manifest = read_manifest(cache)
     check_world_size(spec, manifest)
@@ -410,7 +412,7 @@ def first_process(
     watch = {"DIR": str(served), "HOME": str(home), "TMPDIR": str(temp)}
     env = cache_env(served, manifest.env) | {"HOME": str(home), "TMPDIR": str(temp)}
     if request.route == "plain" and manifest.bytecode:
-        env |= bytecode.plain_env(served / BYTECODE_DIR)
+        env |= bytecode.plain_env(CacheLayout(served).bytecode)
     return request.replace(watch=watch), env
 
 

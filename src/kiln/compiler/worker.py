@@ -53,7 +53,7 @@ from kiln.compiler.protocol import (
 from kiln.compiler.writes import Watch
 from kiln.events import BucketDone, BucketStarted, FirstPassDone, WorkerEvent, WorkerStarted
 from kiln.grid import Bucket, expand
-from kiln.layout import RANKS_DIR
+from kiln.layout import CacheLayout
 from kiln.spec import Spec
 
 if TYPE_CHECKING:
@@ -181,10 +181,9 @@ def _activate(request: WorkerRequest) -> Activation | None:
     assert request.cache_root is not None
     from kiln.compiler.activate import activate
 
-    folder = Path(request.cache_root).parent
-    if folder.parent.name == RANKS_DIR:  # a rank's own folder: activate the artifact's
-        folder = folder.parent.parent
-    return activate(folder, compat="ignore", device_index=request.device_index)
+    # A rank's cache root is in its own folder: activate the artifact's.
+    served = CacheLayout.of_dir(Path(request.cache_root).parent)
+    return activate(served.root, compat="ignore", device_index=request.device_index)
 
 
 def _watch(request: WorkerRequest) -> Watch | None:
