@@ -4,6 +4,7 @@ torch."""
 from __future__ import annotations
 
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import typer
 from rich.console import Console
@@ -12,6 +13,9 @@ from kiln.artifact.storage import DEFAULT_TIMEOUT
 from kiln.cli.options import JSON, QUIET
 from kiln.cli.output import Output, esc, flagged
 from kiln.cli.render import bundle_view, human_bytes, manifest_view
+
+if TYPE_CHECKING:
+    from kiln.artifact.restore import RestoreResult
 
 
 def register(app: typer.Typer) -> None:
@@ -120,18 +124,19 @@ def restore_cmd(
         o.note(f"bundle: variant {result.choice.variant.name}: {flagged(result.choice.reason)}")
     if result.provenance is not None:
         o.note(f"attestation verified: {describe_line(result.provenance)}")
+    o.emit(result.summary(), lambda c: _restored_view(c, result))
 
-    def human(c: Console) -> None:
-        what = "already installed" if result.noop else "restored"
-        c.print(
-            f"{what} [bold]{esc(result.manifest.name)}[/] into {esc(result.dest)}: "
-            f"{result.files} files, "
-            f"{human_bytes(result.bytes)} in {result.seconds:.2f}s"
-        )
-        c.print(f"sha256 {result.sha256}")
-        c.print(f"serve with: . {esc(result.env_file)}")
 
-    o.emit(result.summary(), human)
+def _restored_view(c: Console, result: RestoreResult) -> None:
+    """``kiln restore`` for a person: what is in DEST now, its digest, and how to serve it."""
+    what = "already installed" if result.noop else "restored"
+    c.print(
+        f"{what} [bold]{esc(result.manifest.name)}[/] into {esc(result.dest)}: "
+        f"{result.files} files, "
+        f"{human_bytes(result.bytes)} in {result.seconds:.2f}s"
+    )
+    c.print(f"sha256 {result.sha256}")
+    c.print(f"serve with: . {esc(result.env_file)}")
 
 
 def push_cmd(

@@ -6,7 +6,7 @@ import json
 import sys
 import time
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import typer
 from rich.console import Console
@@ -29,6 +29,8 @@ if TYPE_CHECKING:
     from kiln.artifact.attestation import SignResult
     from kiln.artifact.keys import SigningKey
     from kiln.compiler.bake import BakeResult
+    from kiln.grid import Shard
+    from kiln.spec import Spec
 
 
 def register(app: typer.Typer) -> None:
@@ -75,17 +77,13 @@ def bake_cmd(
     quiet: bool = QUIET,
 ) -> None:
     """Compile SPEC's grid in an isolated cache root and write a deterministic artifact."""
-    from kiln.artifact.archive import ARTIFACT_SUFFIX
-    from kiln.grid import Shard, expand, shard_grid
+    from kiln.grid import Shard
     from kiln.spec import load_spec
 
     o = Output(json_, quiet)
     sliced = Shard.parse(shard) if shard is not None else None  # exit 2 before the spec loads
     parsed = load_spec(spec)
-    if sliced is not None:
-        shard_grid(parsed, expand(parsed), sliced)  # a slice that cannot be: before torch
-    suffix = sliced.suffix if sliced is not None else ""
-    target = out or Path(f"{parsed.name}{suffix}{ARTIFACT_SUFFIX}")
+    target = _bake_target(parsed, out, sliced)
     signing = _signing_key(sign_key)  # before compiling: a bad key costs a second, not a bake
     require_torch("bake")
     from kiln.compiler.bake import FollowerResult, bake
@@ -98,33 +96,49 @@ def bake_cmd(
         print(result.message, file=sys.stderr)
         return
     signed = _sign(result, signing) if signing is not None else None
-
-    def human(c: Console) -> None:
-        m = result.manifest
-        where = f" (shard {m.shard.label})" if m.shard is not None else ""
-        print_table(
-            c, bucket_table(m.grid, f"{m.name}: {count(len(m.grid), 'bucket')} baked{where}")
-        )
-        if m.graph_breaks:
-            print_table(c, graph_break_table(m.graph_breaks))
-        c.print(plain(proof_line(m)))
-        c.print(
-            f"wrote [bold]{esc(result.artifact)}[/] ({human_bytes(result.size)}, "
-            f"{count(len(m.entries()), 'file')}, "
-            f"{human_bytes(m.total_bytes)} unpacked) in {result.wall_s:.1f}s"
-        )
-        c.print(f"sha256 {result.sha256}")
-        if signed is not None:
-            c.print(f"signed {esc(signed.attestation)} (key {esc(signed.keyid)})")
-
     for warning in result.manifest.warnings:
         o.warn(warning)
+    o.emit(_bake_summary(result, signed), lambda c: _baked_view(c, result, signed))
+
+
+def _bake_target(spec: Spec, out: Path | None, sliced: Shard | None) -> Path:
+    """Where the bake writes: OUT, else NAME[.shard-I-of-N].kiln.tar.zst. A slice the grid
+    cannot give is refused here, before torch loads."""
+    from kiln.artifact.archive import ARTIFACT_SUFFIX
+    from kiln.grid import expand, shard_grid
+
+    if sliced is not None:
+        shard_grid(spec, expand(spec), sliced)
+    suffix = sliced.suffix if sliced is not None else ""
+    return out or Path(f"{spec.name}{suffix}{ARTIFACT_SUFFIX}")
+
+
+def _bake_summary(result: BakeResult, signed: SignResult | None) -> dict[str, Any]:
+    """``kiln bake --json``: the bake's summary, with its shard and attestation when it has them."""
     summary = result.summary()
     if result.manifest.shard is not None:
         summary["shard"] = result.manifest.shard.model_dump()
     if signed is not None:
         summary["attestation"] = str(signed.attestation)
-    o.emit(summary, human)
+    return summary
+
+
+def _baked_view(c: Console, result: BakeResult, signed: SignResult | None) -> None:
+    """``kiln bake`` for a person: the buckets, graph breaks, the proof, what was written."""
+    m = result.manifest
+    where = f" (shard {m.shard.label})" if m.shard is not None else ""
+    print_table(c, bucket_table(m.grid, f"{m.name}: {count(len(m.grid), 'bucket')} baked{where}"))
+    if m.graph_breaks:
+        print_table(c, graph_break_table(m.graph_breaks))
+    c.print(plain(proof_line(m)))
+    c.print(
+        f"wrote [bold]{esc(result.artifact)}[/] ({human_bytes(result.size)}, "
+        f"{count(len(m.entries()), 'file')}, "
+        f"{human_bytes(m.total_bytes)} unpacked) in {result.wall_s:.1f}s"
+    )
+    c.print(f"sha256 {result.sha256}")
+    if signed is not None:
+        c.print(f"signed {esc(signed.attestation)} (key {esc(signed.keyid)})")
 
 
 def _signing_key(ref: str | None) -> SigningKey | None:

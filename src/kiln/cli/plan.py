@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import typer
 from rich.console import Console
@@ -10,6 +11,9 @@ from rich.console import Console
 from kiln.cli.options import JSON
 from kiln.cli.output import Output, esc, plain
 from kiln.errors import UsageError
+
+if TYPE_CHECKING:
+    from kiln.plan import BakeTime, Plan
 
 
 def register(app: typer.Typer) -> None:
@@ -50,8 +54,7 @@ def plan_cmd(
     json_: bool = JSON,
 ) -> None:
     """Choose bucket sizes that serve the logged shapes with the least padding."""
-    from kiln.files import atomic_write
-    from kiln.plan import BakeTime, plan, rewrite_buckets
+    from kiln.plan import plan
     from kiln.spec import load_spec
     from kiln.traffic import read_traffic
 
@@ -64,43 +67,57 @@ def plan_cmd(
         )
     parsed = load_spec(spec)
     traffic = read_traffic(shapes, tuple(parsed.buckets))
-    bake = None
-    if artifact is not None:
-        from kiln.artifact.archive import read_manifest
-
-        bake = BakeTime.from_manifest(read_manifest(artifact), weights)
     result = plan(
         parsed,
         traffic,
         max_buckets=max_buckets,
         budget_s=budget_s,
-        bake=bake,
+        bake=_bake_time(artifact, weights),
         weights=weights,
         coverage=coverage,
     )
     if write:
-        text = spec.read_text(encoding="utf-8")
-        new = rewrite_buckets(text, result.buckets, str(spec))
-        with atomic_write(spec) as fh:
-            fh.write(new.encode("utf-8"))
+        _write_buckets(spec, result)
     data = result.to_dict() | {"written": str(spec) if write else None}
+    o.emit(data, lambda c: _plan_view(c, o, result, spec if write else None))
 
-    def human(c: Console) -> None:
-        for line in result.yaml().splitlines():  # axis names are identifiers, sizes numbers
-            c.print(plain(line), highlight=False, soft_wrap=True)
-        now, new = result.current, result.planned
-        est = f", bake ≈ {new.bake_s:.0f} s (now {now.bake_s:.0f} s)" if new.bake_s else ""
-        o.note(
-            f"{result.requests} requests, {result.shapes} shapes; {result.method}: "
-            f"{new.buckets} buckets, padding waste {new.waste:.1%} (now {now.waste:.1%} over "
-            f"{now.buckets}), off the grid {new.off_grid:.1%} (now {now.off_grid:.1%}){est}"
-        )
-        for note in result.notes:
-            o.note(note)
-        if write:
-            c.print(f"wrote the bucket lists into [bold]{esc(spec)}[/]")
 
-    o.emit(data, human)
+def _bake_time(artifact: Path | None, weights: dict[str, float]) -> BakeTime | None:
+    """Each bucket's estimated bake time, from the timings of an artifact or restored folder."""
+    if artifact is None:
+        return None
+    from kiln.artifact.archive import read_manifest
+    from kiln.plan import BakeTime
+
+    return BakeTime.from_manifest(read_manifest(artifact), weights)
+
+
+def _write_buckets(spec: Path, result: Plan) -> None:
+    """``--write``: the planned bucket lists replace SPEC's, its comments kept, atomically."""
+    from kiln.files import atomic_write
+    from kiln.plan import rewrite_buckets
+
+    new = rewrite_buckets(spec.read_text(encoding="utf-8"), result.buckets, str(spec))
+    with atomic_write(spec) as fh:
+        fh.write(new.encode("utf-8"))
+
+
+def _plan_view(c: Console, o: Output, result: Plan, written: Path | None) -> None:
+    """``kiln plan`` for a person: the bucket lists as spec YAML on stdout, the numbers that
+    chose them on stderr, and the spec ``--write`` rewrote."""
+    for line in result.yaml().splitlines():  # axis names are identifiers, sizes numbers
+        c.print(plain(line), highlight=False, soft_wrap=True)
+    now, new = result.current, result.planned
+    est = f", bake ≈ {new.bake_s:.0f} s (now {now.bake_s:.0f} s)" if new.bake_s else ""
+    o.note(
+        f"{result.requests} requests, {result.shapes} shapes; {result.method}: "
+        f"{new.buckets} buckets, padding waste {new.waste:.1%} (now {now.waste:.1%} over "
+        f"{now.buckets}), off the grid {new.off_grid:.1%} (now {now.off_grid:.1%}){est}"
+    )
+    for note in result.notes:
+        o.note(note)
+    if written is not None:
+        c.print(f"wrote the bucket lists into [bold]{esc(written)}[/]")
 
 
 def _weights(pairs: list[str]) -> dict[str, float]:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from enum import Enum
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import typer
 from rich.console import Console
@@ -20,6 +21,9 @@ from kiln.cli.render import (
 from kiln.errors import KilnError, VerificationError
 from kiln.grid import Order
 from kiln.installs import require_torch
+
+if TYPE_CHECKING:
+    from kiln.compiler.verify import VerifyReport
 
 
 class Route(str, Enum):
@@ -96,22 +100,7 @@ def verify_cmd(
 
     o = Output(json_, quiet)
     if traffic is not None:
-        from kiln.cli.replay_view import replay_view
-        from kiln.compiler.replay import replay
-
-        with o.progress() as sink:
-            replayed = replay(
-                spec,
-                cache,
-                traffic,
-                on_miss=on_miss.value if on_miss else None,
-                seed=seed,
-                device_index=device_index or 0,
-                on_event=sink,
-            )
-        o.emit(replayed.to_dict(), lambda c: replay_view(c, replayed))
-        if not replayed.ok:
-            raise _reported(VerificationError("; ".join(replayed.reasons())))
+        _replay_traffic(o, spec, cache, traffic, on_miss, seed, device_index or 0)
         return
     with o.progress() as sink:
         report = verify(
@@ -124,25 +113,56 @@ def verify_cmd(
             routes=ROUTES if route is Route.BOTH else (route.value,),
             on_event=sink,
         )
-
-    def human(c: Console) -> None:
-        title = f"verify {report.name} ({order.value} order, {' and '.join(report.routes)})"
-        print_table(c, bucket_table(report.buckets, title, verify=True))
-        c.print(f"ready in {ms(report.time_to_ready_s)} (process start → every bucket ran once)")
-        if report.extra.get("precompile_load_s") is not None:
-            loaded = ms(report.extra["precompile_load_s"])
-            if report.extra.get("route") == "aoti":
-                c.print(f"AOTInductor packages loaded in {loaded}: no Dynamo, no Inductor")
-            else:
-                c.print(f"precompiled forwards loaded in {loaded}: no Dynamo tracing")
-        if report.check and not report.check.ok:
-            print_table(c, factor_table(report.check, all_rows=False))
-        if not report.spec_matches:
-            keys = ", ".join(report.spec_differs) or "its digest"
-            o.warn(f"{spec} differs from the spec baked into this artifact at: {keys}")
-        if report.ok:
-            c.print("[green]verified[/]: zero compiles over the grid")
-
-    o.emit(report.to_dict(), human)
+    o.emit(report.to_dict(), lambda c: _verified_view(c, o, report, spec, order))
     if not report.ok:
         raise _reported(VerificationError(verify_failure(report)))
+
+
+def _replay_traffic(
+    o: Output,
+    spec: Path,
+    cache: Path,
+    traffic: Path,
+    on_miss: OnMissChoice | None,
+    seed: int,
+    device_index: int,
+) -> None:
+    """``kiln verify --traffic``: serve the log's shapes through the padding path; exit 6 when
+    an in-grid request compiled."""
+    from kiln.cli.replay_view import replay_view
+    from kiln.compiler.replay import replay
+
+    with o.progress() as sink:
+        replayed = replay(
+            spec,
+            cache,
+            traffic,
+            on_miss=on_miss.value if on_miss else None,
+            seed=seed,
+            device_index=device_index,
+            on_event=sink,
+        )
+    o.emit(replayed.to_dict(), lambda c: replay_view(c, replayed))
+    if not replayed.ok:
+        raise _reported(VerificationError("; ".join(replayed.reasons())))
+
+
+def _verified_view(c: Console, o: Output, report: VerifyReport, spec: Path, order: Order) -> None:
+    """``kiln verify`` for a person: every bucket's compiles and latency, time to ready, what
+    loaded instead of compiling, the factors that differ, and a spec edited since the bake."""
+    title = f"verify {report.name} ({order.value} order, {' and '.join(report.routes)})"
+    print_table(c, bucket_table(report.buckets, title, verify=True))
+    c.print(f"ready in {ms(report.time_to_ready_s)} (process start → every bucket ran once)")
+    if report.extra.get("precompile_load_s") is not None:
+        loaded = ms(report.extra["precompile_load_s"])
+        if report.extra.get("route") == "aoti":
+            c.print(f"AOTInductor packages loaded in {loaded}: no Dynamo, no Inductor")
+        else:
+            c.print(f"precompiled forwards loaded in {loaded}: no Dynamo tracing")
+    if report.check and not report.check.ok:
+        print_table(c, factor_table(report.check, all_rows=False))
+    if not report.spec_matches:
+        keys = ", ".join(report.spec_differs) or "its digest"
+        o.warn(f"{spec} differs from the spec baked into this artifact at: {keys}")
+    if report.ok:
+        c.print("[green]verified[/]: zero compiles over the grid")
