@@ -233,19 +233,7 @@ def plan(
     ``budget_s``, an estimated bake time within it (``bake`` estimates it). Axes that are not
     padded keep their sizes. ``coverage``: the share of requests the grid must hold (the rest
     are left to ``on_miss``)."""
-    weights = {a: float(w) for a, w in (weights or {}).items()}
-    for axis, w in weights.items():
-        if axis not in spec.buckets:
-            raise UsageError(
-                Worded(
-                    Param("weights", key=axis),
-                    f": not an axis of {spec.name} ({', '.join(spec.buckets)})",
-                )
-            )
-        if not 0 < w <= 8:
-            raise ParameterError(
-                "weights", w, "a weight is above 0 and at most 8", shown=f"{w:g}", key=axis
-            )
+    weights = _checked_weights(spec, weights or {})
     if not 0 < coverage <= 1:
         raise ParameterError(
             "coverage", coverage, "a share above 0 and at most 1", shown=f"{coverage:g}"
@@ -263,18 +251,8 @@ def plan(
             "axis): the serving path only serves exact bucket sizes, so there is nothing to plan"
         )
     current = PadGrid.from_spec(spec)
-    cap = max_buckets if max_buckets is not None else len(current.points)
-    if not 1 <= cap <= MAX_BUCKETS:
-        raise ParameterError("max_buckets", cap, f"from 1 to {MAX_BUCKETS}")
     fixed = {a: sorted(spec.buckets[a]) for a in spec.buckets if a not in padded}
-    cap_padded = cap // math.prod(len(s) for s in fixed.values()) if fixed else cap
-    if cap_padded < 1:
-        raise ParameterError(
-            "max_buckets",
-            cap,
-            f"the axes that are not padded already make "
-            f"{math.prod(len(s) for s in fixed.values())} buckets",
-        )
+    cap_padded = _padded_cap(max_buckets, len(current.points), fixed)
     requests = _requests(traffic, fixed, padded)
     if not requests:
         raise UsageError("no request in the log has sizes the unpadded axes bake")
@@ -295,6 +273,41 @@ def plan(
         weights=weights,
         notes=notes,
     )
+
+
+def _checked_weights(spec: Spec, weights: Mapping[str, float]) -> dict[str, float]:
+    """``weights`` as floats, each an axis of ``spec`` weighted above 0 and at most 8."""
+    out = {a: float(w) for a, w in weights.items()}
+    for axis, w in out.items():
+        if axis not in spec.buckets:
+            raise UsageError(
+                Worded(
+                    Param("weights", key=axis),
+                    f": not an axis of {spec.name} ({', '.join(spec.buckets)})",
+                )
+            )
+        if not 0 < w <= 8:
+            raise ParameterError(
+                "weights", w, "a weight is above 0 and at most 8", shown=f"{w:g}", key=axis
+            )
+    return out
+
+
+def _padded_cap(max_buckets: int | None, now: int, fixed: Mapping[str, list[int]]) -> int:
+    """How many sizes the padded axes may have together: ``max_buckets`` (default: the ``now``
+    buckets the spec has) over the buckets the unpadded axes' ``fixed`` sizes already make."""
+    cap = max_buckets if max_buckets is not None else now
+    if not 1 <= cap <= MAX_BUCKETS:
+        raise ParameterError("max_buckets", cap, f"from 1 to {MAX_BUCKETS}")
+    cap_padded = cap // math.prod(len(s) for s in fixed.values()) if fixed else cap
+    if cap_padded < 1:
+        raise ParameterError(
+            "max_buckets",
+            cap,
+            f"the axes that are not padded already make "
+            f"{math.prod(len(s) for s in fixed.values())} buckets",
+        )
+    return cap_padded
 
 
 _Requests = dict[tuple[int, ...], float]  # padded-axis sizes -> requests

@@ -199,6 +199,31 @@ def build_statement(
     them ``finishedOn`` is the manifest's ``created`` (``SOURCE_DATE_EPOCH`` when that was set).
     """
     builder = builder or ci_builder()
+    return {
+        "_type": STATEMENT_TYPE,
+        "subject": [{"name": artifact_name, "digest": {"sha256": sha256}}],
+        "predicateType": PREDICATE_TYPE,
+        "predicate": {
+            "buildDefinition": {
+                "buildType": BUILD_TYPE,
+                "externalParameters": {
+                    "spec": manifest.spec,
+                    "spec_sha256": manifest.spec_sha256,
+                },
+                "internalParameters": _internal_parameters(manifest, builder),
+                "resolvedDependencies": _dependencies(manifest, builder),
+            },
+            "runDetails": {
+                "builder": {"id": builder.id, "version": {"torch-kiln": manifest.kiln_version}},
+                "metadata": _run_metadata(manifest, builder, started, finished),
+            },
+        },
+    }
+
+
+def _dependencies(manifest: Manifest, builder: Builder) -> list[dict[str, Any]]:
+    """What the bake was built from: the source checkout, the model's code, torch, Triton, and
+    the fingerprint of the machine it compiled on."""
     fp = manifest.fingerprint
     deps: list[dict[str, Any]] = []
     if builder.source is not None:
@@ -221,6 +246,12 @@ def build_statement(
             "annotations": fingerprint_summary(fp),
         }
     )
+    return deps
+
+
+def _internal_parameters(manifest: Manifest, builder: Builder) -> dict[str, Any]:
+    """What kiln decided and measured: the grid, what the artifact covers, the compile
+    arguments and environment a server needs, and the CI runner."""
     last = manifest.passes[-1] if manifest.passes else None
     coverage = {
         "buckets": len(manifest.grid),
@@ -244,32 +275,21 @@ def build_statement(
     }
     if builder.runner:
         internal["ci_runner"] = builder.runner
+    return internal
+
+
+def _run_metadata(
+    manifest: Manifest, builder: Builder, started: float | None, finished: float | None
+) -> dict[str, Any]:
+    """The CI invocation and the bake's times (``finishedOn``: the manifest's ``created`` when
+    the signer did not see the bake run)."""
     metadata: dict[str, Any] = {}
     if builder.invocation:
         metadata["invocationId"] = builder.invocation
     if started is not None:
         metadata["startedOn"] = _rfc3339(started)
     metadata["finishedOn"] = _rfc3339(finished) if finished is not None else manifest.created
-    return {
-        "_type": STATEMENT_TYPE,
-        "subject": [{"name": artifact_name, "digest": {"sha256": sha256}}],
-        "predicateType": PREDICATE_TYPE,
-        "predicate": {
-            "buildDefinition": {
-                "buildType": BUILD_TYPE,
-                "externalParameters": {
-                    "spec": manifest.spec,
-                    "spec_sha256": manifest.spec_sha256,
-                },
-                "internalParameters": internal,
-                "resolvedDependencies": deps,
-            },
-            "runDetails": {
-                "builder": {"id": builder.id, "version": {"torch-kiln": manifest.kiln_version}},
-                "metadata": metadata,
-            },
-        },
-    }
+    return metadata
 
 
 def describe(statement: Mapping[str, Any]) -> dict[str, Any]:

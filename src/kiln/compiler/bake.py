@@ -169,16 +169,8 @@ def bake(
         user_launch.follow(spec, launched, _workdir_base() / spec.name)
         return FollowerResult(launched.rank, launched.world_size)
     out = Path(out)
-    buckets = expand(spec)
-    if not buckets:
-        raise UsageError("the grid is empty after `exclude`")
     sliced = Shard.of(shard) if shard is not None else None
-    if sliced is not None and spec.compile.route == "aoti" and spec.compile.dynamic is True:
-        raise UsageError("route: aoti with dynamic: true builds one program for the whole grid")
-    if sliced is not None and spec.compile.route == "aoti" and spec.distributed is not None:
-        raise UsageError("route: aoti bakes a multi-rank spec in one piece (no shards)")
-    if sliced is not None:
-        buckets = shard_grid(spec, buckets, sliced)
+    buckets = _baked_buckets(spec, sliced)
     if passes is not None and not 1 <= passes <= MAX_PASSES:
         raise UsageError(f"passes must be between 1 and {MAX_PASSES}")
     emit = on_event or ignore
@@ -206,6 +198,21 @@ def bake(
         workdir=kept,
         runs=baker.runs,
     )
+
+
+def _baked_buckets(spec: Spec, sliced: Shard | None) -> list[Bucket]:
+    """The buckets this bake compiles: the grid, or the shard's slice of it (a route that
+    builds its packages in one piece is never sliced)."""
+    buckets = expand(spec)
+    if not buckets:
+        raise UsageError("the grid is empty after `exclude`")
+    if sliced is None:
+        return buckets
+    if spec.compile.route == "aoti" and spec.compile.dynamic is True:
+        raise UsageError("route: aoti with dynamic: true builds one program for the whole grid")
+    if spec.compile.route == "aoti" and spec.distributed is not None:
+        raise UsageError("route: aoti bakes a multi-rank spec in one piece (no shards)")
+    return shard_grid(spec, buckets, sliced)
 
 
 def _capture(spec: Spec, work: Path) -> tuple[list[FileEntry], Stored | None]:

@@ -265,11 +265,7 @@ def verify(
     from the restored folder ``cache`` on each of ``routes``, each in a fresh process that
     serves a private copy of the folder (``cache`` itself is never written)."""
     spec = spec if isinstance(spec, Spec) else load_spec(spec)
-    cache = Path(cache).absolute()
-    top = CacheLayout(cache)
-    first = CacheLayout(cache, 0) if top.ranks_dir.is_dir() else top
-    if not first.inductor.is_dir() and not top.aoti.is_dir():
-        raise NotFoundError(f"{cache}: no {INDUCTOR_DIR}/ folder (restore an artifact there first)")
+    cache = _restored(Path(cache).absolute())
     manifest = read_manifest(cache)
     check_world_size(spec, manifest)
     routes = served_routes(manifest, routes)
@@ -282,30 +278,11 @@ def verify(
     ]
     # The route the artifact is made for leads the timings.
     lead = next((run for route, run in runs if route == made_for(manifest)), runs[0][1])
-    checks = [
-        compare_manifest(
-            manifest,
-            result.fingerprint,
-            rank=rank if manifest.distributed else None,
-            world_size=spec.world_size if manifest.distributed else None,
-        )
-        for rank, result in enumerate(lead.results)
-        if result.fingerprint
-    ]
-    buckets = []
-    for route, run in runs:
-        for b in rank_buckets(run.results, labelled=manifest.distributed is not None):
-            # A re-trace that hit the cache is how a fresh process works: no reason to show.
-            b = b if b.compiles else b.model_copy(update={"recompile_reasons": []})
-            buckets.append(
-                b.model_copy(update={"key": route_key(route, b.key)}) if len(runs) > 1 else b
-            )
     report = VerifyReport(
         name=manifest.name,
         order=order_keys,
-        buckets=buckets,
-        # The first rank whose environment differs names the factor, else rank 0's.
-        check=next((c for c in checks if not c.ok), checks[0]) if checks else None,
+        buckets=_route_buckets(runs, manifest),
+        check=_environment_check(spec, manifest, lead),
         time_to_ready_s=lead.time_to_ready,
         time_to_warm_s=lead.time_to_warm,
         spec_matches=spec.sha256() == manifest.spec_sha256,
@@ -329,6 +306,45 @@ def verify(
     if ready_file is not None:
         _mark_ready(Path(ready_file), report)
     return report
+
+
+def _restored(cache: Path) -> Path:
+    """``cache``, when it holds a restored artifact's caches (rank 0's of a K-rank artifact, or
+    AOTInductor packages); else NotFoundError."""
+    top = CacheLayout(cache)
+    first = CacheLayout(cache, 0) if top.ranks_dir.is_dir() else top
+    if not first.inductor.is_dir() and not top.aoti.is_dir():
+        raise NotFoundError(f"{cache}: no {INDUCTOR_DIR}/ folder (restore an artifact there first)")
+    return cache
+
+
+def _environment_check(spec: Spec, manifest: Manifest, lead: WorkerRun) -> CheckReport | None:
+    """The served environment against the baked one, per rank of the leading route: the first
+    rank whose environment differs names the factor, else rank 0's."""
+    checks = [
+        compare_manifest(
+            manifest,
+            result.fingerprint,
+            rank=rank if manifest.distributed else None,
+            world_size=spec.world_size if manifest.distributed else None,
+        )
+        for rank, result in enumerate(lead.results)
+        if result.fingerprint
+    ]
+    return next((c for c in checks if not c.ok), checks[0]) if checks else None
+
+
+def _route_buckets(runs: list[tuple[str, WorkerRun]], manifest: Manifest) -> list[BucketStats]:
+    """Every route's buckets (each key named by route when more than one served), every rank's
+    labelled; a re-trace that hit the cache is how a fresh process works: no reason shown."""
+    buckets = []
+    for route, run in runs:
+        for b in rank_buckets(run.results, labelled=manifest.distributed is not None):
+            b = b if b.compiles else b.model_copy(update={"recompile_reasons": []})
+            buckets.append(
+                b.model_copy(update={"key": route_key(route, b.key)}) if len(runs) > 1 else b
+            )
+    return buckets
 
 
 def route_key(route: str, key: str) -> str:
