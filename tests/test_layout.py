@@ -3,14 +3,17 @@ bake's work folder, an archive's member names and a restored folder."""
 
 from __future__ import annotations
 
+import ast
 from pathlib import Path
 
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
+from kiln import layout as layout_module
 from kiln.layout import CacheLayout, lock_links, rank_of
 from kiln.serving import cache_env
+from tests.conftest import ROOT as REPO
 
 ROOT = Path("/srv/cache")
 
@@ -109,3 +112,21 @@ def test_rank_of_any_text_is_a_rank_only_under_that_ranks_folder(path: str) -> N
     if rank is not None:
         assert path.startswith(f"ranks/{rank}/")
         assert path.count("/") >= 2
+
+
+def test_no_module_but_the_layout_joins_a_layout_name_onto_a_path() -> None:
+    """``folder / INDUCTOR_DIR`` and the like belong in CacheLayout (issue 28): a hand join
+    elsewhere is how a rank's folder or a new cache folder gets missed in one place."""
+    names = {n for n in vars(layout_module) if n.endswith(("_DIR", "_NAME"))}
+    src = REPO / "src" / "kiln"
+    joins = [
+        f"{path.relative_to(src)}:{node.lineno}"
+        for path in src.rglob("*.py")
+        if path != src / "layout.py"
+        for node in ast.walk(ast.parse(path.read_text()))
+        if isinstance(node, ast.BinOp)
+        and isinstance(node.op, ast.Div)
+        and {n.id for n in ast.walk(node.right) if isinstance(n, ast.Name)} & names
+    ]
+    assert "INDUCTOR_DIR" in names and "RANKS_DIR" in names
+    assert joins == []
