@@ -85,7 +85,8 @@ def test_of_dir_takes_a_folder_that_is_no_rank_as_a_root(name: str) -> None:
 
 
 def test_lock_links_are_each_ranks_lock_folder() -> None:
-    assert lock_links(1) == ["inductor/locks"]
+    assert lock_links(None) == ["inductor/locks"]
+    assert lock_links(1) == ["ranks/0/inductor/locks"]  # distributed: {world_size: 1}
     assert lock_links(2) == ["ranks/0/inductor/locks", "ranks/1/inductor/locks"]
 
 

@@ -135,6 +135,13 @@ def test_one_rank_kiln_env_is_unchanged() -> None:
     assert "RANK" not in env_file_text(Path("/c"), "x", {})
 
 
+def test_a_one_rank_distributed_kiln_env_points_at_its_rank_folder(tmp_path: Path) -> None:
+    """``distributed: {world_size: 1}`` bakes into ranks/0/: kiln.env must point there (it
+    pointed at an empty DIR/inductor, and a server sourcing it missed every cache)."""
+    proc = _source(env_file_text(HOSTILE_DEST, "tp", {}, 1), tmp_path, RANK="0")
+    assert proc.stdout.split("|")[0] == f"{HOSTILE_DEST}/ranks/0/inductor"
+
+
 # --- the manifest's per-rank layout and copies -------------------------------------------
 def _entry(path: str, data: bytes) -> dict[str, Any]:
     return {
@@ -292,7 +299,7 @@ def test_fuzzed_copies_restore_exactly_the_manifest_or_nothing(
     got = tree(dest)
     expected = {c.path: STORED[c.source] for c in parsed.copies} | STORED
     assert {p: d for p, d in got.items() if p.startswith("ranks/")} == expected
-    own_links = {dest / link for link in lock_links(parsed.world_size)}  # restore's own
+    own_links = {dest / link for link in lock_links(parsed.rank_world)}  # restore's own
     assert all(p.resolve().is_relative_to(dest) for p in dest.rglob("*") if p not in own_links)
 
 

@@ -151,8 +151,9 @@ class CacheLayout:
         return path.relative_to(self.root).as_posix()
 
 
-def lock_links(world_size: int) -> list[str]:
+def lock_links(world: int | None) -> list[str]:
     """Every rank layout's lock folder (:attr:`CacheLayout.locks`) as a member name: restore
-    makes each a link to :data:`LOCKS_TARGET` (:data:`LOCKS_DIR` says why)."""
-    layouts = CacheLayout.ranks(Path(), world_size if world_size > 1 else None)
+    makes each a link to :data:`LOCKS_TARGET` (:data:`LOCKS_DIR` says why). ``world`` as in
+    :meth:`CacheLayout.ranks` (a 1-rank ``distributed`` artifact has its one rank's folder)."""
+    layouts = CacheLayout.ranks(Path(), world)
     return [layout.member(layout.locks) for layout in layouts]

@@ -180,25 +180,26 @@ def cache_env(dest: Path, env: Mapping[str, str], rank: int | None = None) -> di
     }
 
 
-def env_file_text(dest: Path, name: str, env: Mapping[str, str], world_size: int = 1) -> str:
+def env_file_text(dest: Path, name: str, env: Mapping[str, str], world: int | None = None) -> str:
     """``kiln.env``: :func:`cache_env` as shell ``export`` lines, every value quoted.
 
     Keys are re-checked here even though the manifest reader checked them: this text is run by
-    a shell, so it must be safe whatever the caller passed. For a K-rank artifact the cache
+    a shell, so it must be safe whatever the caller passed. For a K-rank artifact (``world``
+    K, as in :meth:`CacheLayout.ranks`: None for an artifact without ``distributed``) the cache
     folder depends on the rank of the process that sources the file, so that one line is shell
     code (:func:`_rank_lines`): the restored path stays single-quoted, the rank is checked to be
     a number below K before it is used, and nothing else is expanded.
     """
     source = _comment(str(CacheLayout(dest).env_file))
     lines = [f"# written by kiln restore for {_comment(name)}: `. {source}` to serve"]
-    if world_size > 1:
-        lines.append(f"# {world_size} ranks: source it in each rank's process (RANK or LOCAL_RANK)")
+    if world is not None:
+        lines.append(f"# {world} ranks: source it in each rank's process (RANK or LOCAL_RANK)")
     for key, value in cache_env(dest, env).items():
         if not ENV_KEY_PATTERN.fullmatch(key):
             raise ValueError(f"refusing to write environment key {key!r}")
-        if key in _RANK_PATHS and world_size > 1:
+        if key in _RANK_PATHS and world is not None:
             if key == "TORCHINDUCTOR_CACHE_DIR":
-                lines.extend(_rank_lines(dest, world_size))
+                lines.extend(_rank_lines(dest, world))
             continue
         lines.append(f"export {key}={shlex.quote(value)}")
     return "\n".join(lines) + "\n"

@@ -63,7 +63,7 @@ def changes(
     expected = {entry.path: entry for entry in manifest.entries()}
     expected.update((entry.path, entry) for entry in relocated if entry.path in expected)
     own = RESERVED_NAMES
-    links = set(lock_links(manifest.world_size))
+    links = set(lock_links(manifest.rank_world))
     added: list[str] = []
     changed: list[str] = []
     seen: set[str] = set()

@@ -73,7 +73,7 @@ def check_stage(tree: Path, dest: Path, manifest: Manifest) -> None:
     """
     expected = {f.path: f.size for f in manifest.entries()}
     own = RESERVED_NAMES
-    links = set(lock_links(manifest.world_size))
+    links = set(lock_links(manifest.rank_world))
     found: dict[str, int] = {}
     odd: list[str] = []
     for root, dirs, files in os.walk(tree):

@@ -607,6 +607,12 @@ class Manifest(_Model):
     def world_size(self) -> int:
         return self.distributed.world_size if self.distributed else 1
 
+    @property
+    def rank_world(self) -> int | None:
+        """K for an artifact with per-rank folders (``distributed``, even of 1 rank), None for
+        one without: the ``world`` of :meth:`kiln.layout.CacheLayout.ranks`."""
+        return self.distributed.world_size if self.distributed else None
+
     def bytes_by_kind(self) -> dict[str, tuple[int, int]]:
         out: dict[str, tuple[int, int]] = {}
         for f in self.entries():

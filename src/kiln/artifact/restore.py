@@ -460,10 +460,10 @@ def _complete(tree: Path, dest: Path, manifest: Manifest, state: dict[str, Any])
     staged = CacheLayout(tree)
     staged.manifest.write_bytes(manifest.to_bytes())
     staged.env_file.write_text(
-        env_file_text(dest, manifest.name, manifest.env, manifest.world_size)
+        env_file_text(dest, manifest.name, manifest.env, manifest.rank_world)
     )
     staged.state_file.write_text(json.dumps(state))
-    for link in lock_links(manifest.world_size):
+    for link in lock_links(manifest.rank_world):
         (tree / link).parent.mkdir(parents=True, exist_ok=True)
         (tree / link).symlink_to(LOCKS_TARGET)
     check_stage(tree, dest, manifest)
