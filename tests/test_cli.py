@@ -268,5 +268,20 @@ def test_check_of_a_moved_folder_is_exit_5_naming_the_cache_location(cli, tmp_pa
     line = one_error_line(proc.stderr)
     assert "env.TORCHINDUCTOR_CACHE_DIR" in line and str(first / "inductor") in line
     assert "compatible" not in proc.stdout.replace("incompatible", "")
-    ok = cli("check", moved, env={"TORCHINDUCTOR_CACHE_DIR": str(moved / "inductor")})
+    # A serving setting outside the cache keys is named; on the CPU it is a note, not a miss.
+    threads = {"TORCHINDUCTOR_COMPILE_THREADS": "4"}
+    ok = cli("check", moved, env={"TORCHINDUCTOR_CACHE_DIR": str(moved / "inductor"), **threads})
     assert ok.returncode == 0, ok.stderr
+    assert "TORCHINDUCTOR_COMPILE_THREADS" in ok.stdout, ok.stdout
+
+
+def test_check_names_a_serving_setting_the_server_overrides() -> None:
+    from kiln.compiler.check import serving_env_factors
+
+    assert serving_env_factors({}, "cuda") == []  # unset: kiln.env / activate() set it
+    assert serving_env_factors({"TORCHINDUCTOR_COMPILE_THREADS": "1"}, "cuda") == []
+    (cuda,) = serving_env_factors({"TORCHINDUCTOR_COMPILE_THREADS": "8"}, "cuda")
+    assert cuda.name == "env.TORCHINDUCTOR_COMPILE_THREADS" and cuda.causes_miss
+    assert (cuda.baked, cuda.here) == ("1", "8") and "benchmarks them again" in cuda.note
+    (cpu,) = serving_env_factors({"TORCHINDUCTOR_COMPILE_THREADS": "8"}, "cpu")
+    assert not cpu.matches and not cpu.causes_miss

@@ -107,6 +107,11 @@ SERVING_ENV = {
     # mode). A served process compiles nothing, so it loads every kernel in-process.
     "TORCHINDUCTOR_COMPILE_THREADS": "1",
 }
+# What goes wrong when a server overrides one (kiln check names it).
+SERVING_NOTES = {
+    "TORCHINDUCTOR_COMPILE_THREADS": "a compile pool loads kernels without their tuning state "
+    "and benchmarks them again",
+}
 
 
 def compile_env(spec: CompiledSpec) -> dict[str, str]:

@@ -9,6 +9,7 @@ Needs torch (it fingerprints the live process) but does no GPU work.
 from __future__ import annotations
 
 import os
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -18,6 +19,7 @@ from kiln.artifact.manifest import Manifest
 from kiln.compiler.location import environ_with, location_factor, probe_inductor_dir
 from kiln.errors import IncompatibleError
 from kiln.factors import Factor, compare, misses
+from kiln.serving import SERVING_ENV, SERVING_NOTES
 
 
 @dataclass
@@ -176,7 +178,27 @@ def check(
     report = compare_manifest(manifest, here, rank=rank, world_size=world_size)
     if where is not None:
         report.factors.append(where)
+    if manifest.aoti is None:  # the aoti route starts no Inductor, so has no pool to race
+        report.factors.extend(serving_env_factors(os.environ, device))
     return report
+
+
+def serving_env_factors(environ: Mapping[str, str], device: str) -> list[Factor]:
+    """Each :data:`~kiln.serving.SERVING_ENV` setting this process has at another value.
+
+    Outside every cache key, so the fingerprint cannot see them, yet a server that overrides
+    one does compile work (``TORCHINDUCTOR_COMPILE_THREADS`` above 1: kernels load in the pool
+    and come back without their tuning state, benchmarked again). Unset is fine:
+    ``kiln.env`` exports them and ``kiln.activate()`` sets them. A miss on CUDA, where
+    Triton kernels carry tuning state; a note on the CPU, whose C++ kernels have none.
+    """
+    out = []
+    for key, value in SERVING_ENV.items():
+        here = environ.get(key)
+        if here is not None and here != value:
+            note = f"kiln serves with {key}={value} (kiln.env sets it): {SERVING_NOTES[key]}"
+            out.append(Factor(f"env.{key}", value, here, False, device == "cuda", note))
+    return out
 
 
 def _env_int(*names: str) -> int | None:
