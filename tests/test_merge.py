@@ -519,8 +519,9 @@ def test_three_shards_merge_into_what_one_process_serves(
 
     dest = tmp_path / "elsewhere" / "cache"  # a new path: nothing of the bakes' roots
     kiln.restore(merged.artifact, dest)
-    for seed in (1, 2):
-        report = kiln.verify(spec_path, dest, order="shuffle", seed=seed)
-        assert report.ok, report.to_dict()
+    # One order, both routes (the shuffles of seed 1 and 2, both served here before, are the
+    # same order of this grid).
+    report = kiln.verify(spec_path, dest, order="shuffle", seed=1)
+    assert report.ok, report.to_dict()
     loaded = CacheArtifactManager.deserialize((dest / "megacache.bin").read_bytes())
     assert loaded is not None and len(loaded["inductor"]) >= 3  # every shard's graphs
