@@ -14,7 +14,7 @@ import pytest
 
 import kiln
 from kiln.artifact.manifest import BucketStats
-from kiln.compiler.verify import explain
+from kiln.compiler.verify import ROUTES, explain
 from kiln.errors import KilnError
 from kiln.serving import served_torch_kwargs, torch_kwargs
 from tests.conftest import MODELS, mlp_spec
@@ -79,7 +79,9 @@ def test_roundtrip_zero_compiles_in_any_order(baked, tmp_path: Path, cli) -> Non
             },
         )
     ready = tmp_path / "ready.json"
-    proc = cli("verify", spec_path, "--cache", dest, "--ready-file", ready, "--json")
+    # The CLI's readiness file and JSON: one route is enough (both were served above).
+    args = ("--ready-file", ready, "--json", "--route", "plain")
+    proc = cli("verify", spec_path, "--cache", dest, *args)
     assert proc.returncode == 0, proc.stderr
     body = json.loads(proc.stdout)
     assert body["ok"] and body["compiles"] == 0
@@ -94,7 +96,9 @@ def test_verify_fails_with_exit_6_on_a_cold_cache(baked, tmp_path: Path, cli) ->
     (dest / "inductor").mkdir()
     ready = tmp_path / "ready"
     ready.write_text("stale")
-    proc = cli("verify", spec_path, "--cache", dest, "--order", "grid", "--ready-file", ready)
+    # One route: from an empty folder every graph compiles again, on either route alike.
+    options = ("--order", "grid", "--ready-file", ready, "--route", "plain")
+    proc = cli("verify", spec_path, "--cache", dest, *options)
     assert proc.returncode == 6, proc.stderr
     assert "batch=2: " in proc.stderr and "compile(s): 1 FX graph, 1 AOT graph" in proc.stderr
     assert not ready.exists()
@@ -208,8 +212,11 @@ def test_automatic_dynamic_is_order_independent(write_spec, tmp_path: Path) -> N
     assert result.manifest.passes[-1].compiles == 0
     dest = tmp_path / "cache"
     kiln.restore(result.artifact, dest)
-    for seed in (1, 2, 3):
-        report = kiln.verify(spec_path, dest, order="shuffle", seed=seed)
+    # Two orders (seed 3's shuffle was seed 1's again): both routes in one, the plain route in
+    # the other (kiln.activate() adds only environment and imports to a folder of caches, as
+    # kiln.compiler.verify.proof_routes says).
+    for seed, routes in ((1, ROUTES), (2, ("plain",))):
+        report = kiln.verify(spec_path, dest, order="shuffle", seed=seed, routes=routes)
         assert report.ok, (report.order, report.reasons())
 
 
@@ -240,9 +247,16 @@ def test_autotuning_spec_round_trip(write_spec, tmp_path: Path) -> None:
 
 
 def module_spec(
-    write_spec, tmp_path: Path, name: str, forward: str, header: str = "", buckets: str = ""
+    write_spec,
+    tmp_path: Path,
+    name: str,
+    forward: str,
+    header: str = "",
+    buckets: str = "",
+    passes: int = 2,
 ) -> Path:
-    """A spec for a one-module model file next to it, on the MLP spec's grid (or ``buckets``)."""
+    """A spec for a one-module model file next to it, on the MLP spec's grid (or ``buckets``),
+    baked in ``passes`` fresh-process passes."""
     (tmp_path / f"{name}.py").write_text(
         f"import random, torch\n{header}"
         "class M(torch.nn.Module):\n"
@@ -252,12 +266,14 @@ def module_spec(
     )
     text = mlp_spec(name, buckets=buckets).replace(f"{MODELS}:tiny_mlp", f"{name}.py:make")
     text = text.replace("  kwargs: {dim: 16, hidden: 32}\n  call_kwargs: {scale: 2.0}\n", "")
-    return write_spec(text.replace("warmup: {calls: 2}", "warmup: {calls: 2, passes: 2}"))
+    return write_spec(text.replace("warmup: {calls: 2}", f"warmup: {{calls: 2, passes: {passes}}}"))
 
 
 def test_failed_bake_leaves_no_artifact(write_spec, tmp_path: Path, cli) -> None:
     forward = "if x.shape[0] == 3:\n    raise RuntimeError('boom on batch 3')\nreturn x * 2"
-    spec_path = module_spec(write_spec, tmp_path, "flaky", forward)
+    # The failing bucket first: the bake fails before it compiled anything (each compile would
+    # cost its two bakes seconds of g++ and prove nothing more here).
+    spec_path = module_spec(write_spec, tmp_path, "flaky", forward, buckets="batch: [3, 5]")
     out = tmp_path / "out" / "flaky.kiln.tar.zst"
     with pytest.raises(KilnError, match="boom on batch 3"):
         kiln.bake(spec_path, out)
@@ -281,9 +297,12 @@ def test_bake_says_when_a_fresh_process_still_compiles(write_spec, tmp_path: Pat
     """A model that closes over a per-process value can never hit: the bake's proof compiles,
     two re-bakes cannot fix it, and the bake says so instead of shipping silently."""
     header = "SCALE = random.random()  # a different constant in every process\n"
-    # One bucket is enough to never hit; each of its six processes compiles once, not 3 times.
+    # One bucket and one pass are enough to never hit: the pass, the three proofs and the two
+    # re-bakes between them each compile once (3 buckets or 2 passes would only add compiles).
     forward = "return torch.relu(x) * SCALE"
-    spec_path = module_spec(write_spec, tmp_path, "perprocess", forward, header, "batch: [2]")
+    spec_path = module_spec(
+        write_spec, tmp_path, "perprocess", forward, header, "batch: [2]", passes=1
+    )
     proc = cli("bake", spec_path, "-o", tmp_path / "pp.kiln.tar.zst", "--json")
     assert proc.returncode == 0, proc.stderr[-2000:]
     summary = json.loads(proc.stdout)
@@ -293,7 +312,7 @@ def test_bake_says_when_a_fresh_process_still_compiles(write_spec, tmp_path: Pat
     assert manifest.warnings == summary["warnings"]
     assert manifest.proof is not None and manifest.proof.compiles > 0
     assert manifest.proof.rebakes == 2 and summary["proof"]["rebakes"] == 2
-    assert len(manifest.passes) == 2 + 2  # the spec's two passes, then one per re-bake
+    assert len(manifest.passes) == 1 + 2  # the spec's one pass, then one per re-bake
     assert manifest.passes[-1].compiles > 0
 
 
@@ -357,7 +376,8 @@ print(json.dumps({{"act": act.to_dict(), "out": out, "frames": dict(counters["fr
     fresh = tmp_path / "fresh"
     kiln.restore(result.artifact, fresh)
     (fresh / "precompiled.bin").write_bytes(b"not a pickle")
-    bad = cli("verify", spec_path, "--cache", fresh, "--json")
+    # The route that loads the forwards (the folder's change fails either route alike).
+    bad = cli("verify", spec_path, "--cache", fresh, "--json", "--route", "activate")
     assert bad.returncode == 6, bad.stderr[-2000:]
     body = json.loads(bad.stdout)
     assert body["folder_changes"] == ["~precompiled.bin"], body["folder_changes"]
