@@ -13,7 +13,9 @@ pytestmark = pytest.mark.slow
 
 
 def test_bench_modes_and_ratios(write_spec, cli, tmp_path: Path) -> None:
-    spec = write_spec(mlp_spec("bench-mlp", buckets="batch: [2, 7]"))
+    # One bucket: every mode runs the whole grid either way; each bucket more is a graph that
+    # the two bakes and the megacache mode each compile again.
+    spec = write_spec(mlp_spec("bench-mlp", buckets="batch: [2]"))
     saved = tmp_path / "bench.json"
     tmp = tmp_path / "tmp"
     tmp.mkdir()
@@ -34,7 +36,7 @@ def test_bench_modes_and_ratios(write_spec, cli, tmp_path: Path) -> None:
     # The Mega-Cache blob carries no C++ .so: torch rebuilds them (the gap kiln closes).
     assert modes["megacache"]["compiles"] > 0
     for m in modes.values():
-        assert m["time_to_ready_s"] > 0 and len(m["buckets"]) == 2
+        assert m["time_to_ready_s"] > 0 and len(m["buckets"]) == 1
     assert report["ratios"]["kiln/cold"] > 0
     # Start-up, phase by phase (issue 13): eager imports no Inductor; the phases add up.
     eager, served = ([p["phase"] for p in modes[m]["startup_phases"]] for m in ("eager", "kiln"))
@@ -70,7 +72,7 @@ def test_bench_precompile_spec_compares_with_plain_compile_caches(write_spec) ->
     """kiln serves the precompiled forwards; cold and the stock folder come from plain JIT."""
     import kiln
 
-    text = mlp_spec("bench-pre", buckets="batch: [2, 7]").replace(
+    text = mlp_spec("bench-pre", buckets="batch: [2]").replace(
         "  dynamic: false", "  dynamic: false\n  fullgraph: true\n  precompile: true"
     )
     report = kiln.bench(write_spec(text), modes=("cold", "kiln", "copied")).to_dict()

@@ -180,8 +180,10 @@ def test_a_bake_on_an_image_without_bytecode_ships_it_and_verify_serves_it(
     empty.mkdir()
     env = {"PYTHONPYCACHEPREFIX": str(empty), "PYTHONDONTWRITEBYTECODE": "1"}
     spec, art, dest = tmp_path / "spec.yaml", tmp_path / "mlp.kiln.tar.zst", tmp_path / "cache"
-    spec.write_text(mlp_spec(buckets="batch: [2, 3]"))
-    proc = cli("bake", spec, "-o", art, "-q", env=env)
+    # One bucket, unproven: the bytecode and verify serving it are the subject here, and every
+    # process of this bake imports torch from source.
+    spec.write_text(mlp_spec(buckets="batch: [2]"))
+    proc = cli("bake", spec, "-o", art, "-q", "--no-prove", env=env)
     assert proc.returncode == 0, proc.stderr
     manifest = read_manifest(art)
     shipped = [f for f in manifest.files if f.kind == "bytecode"]
