@@ -87,7 +87,7 @@ def test_a_finished_bake_leaves_nothing_in_tmpdir(tmp_path: Path) -> None:
     tmp = tmp_path / "tmp"
     tmp.mkdir()
     spec = tmp_path / "spec.yaml"
-    spec.write_text(mlp_spec("tidy-mlp"))
+    spec.write_text(mlp_spec("tidy-mlp", buckets="batch: [2]"))  # every worker, one graph
     proc = subprocess.run(
         [sys.executable, "-m", "kiln", "bake", str(spec), "-o", str(tmp_path / "o.kiln.tar.zst")],
         cwd=tmp_path,

@@ -356,15 +356,16 @@ def test_piped_bake_says_which_bucket_starts_and_that_it_is_alive(write_spec, cl
     """stderr is a pipe here, as in CI: a line per bucket as it starts, heartbeats between."""
     proc = cli(
         "bake",
-        write_spec(mlp_spec("piped")),
+        write_spec(mlp_spec("piped", buckets="batch: [2, 3]")),
         "-o",
         "p.kiln.tar.zst",
+        "--no-prove",  # the pass's progress is the subject; the proof's is the same kind
         env={"KILN_HEARTBEAT_S": "0.5"},
     )
     assert proc.returncode == 0, proc.stderr[-2000:]
     lines = proc.stderr.splitlines()
-    for i, key in enumerate(("batch=2", "batch=3", "batch=5")):
-        start = lines.index(f"  {key}: start ({i + 1}/3)")
+    for i, key in enumerate(("batch=2", "batch=3")):
+        start = lines.index(f"  {key}: start ({i + 1}/2)")
         done = next(n for n, line in enumerate(lines) if line.startswith(f"  {key}: first call "))
         assert start < done
     # The first bucket compiles for seconds on 2 cores: silence is filled in.

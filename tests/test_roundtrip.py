@@ -229,7 +229,7 @@ def test_autotuning_spec_round_trip(write_spec, tmp_path: Path) -> None:
     the second without (``compile_threads: 1``), so its zero compiles also show that the thread
     count stays out of the cache key.
     """
-    text = mlp_spec("tuned-mlp").replace(
+    text = mlp_spec("tuned-mlp", buckets="batch: [2]").replace(  # the plumbing: one graph
         "  dynamic: false", "  dynamic: false\n  options: {coordinate_descent_tuning: true}"
     )
     spec_path = write_spec(text)
