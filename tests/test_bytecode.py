@@ -98,6 +98,7 @@ def _serve(folder: Path, pkg: Path, step: str, prefix: Path | None, *flags: str)
     return proc.stdout.splitlines()
 
 
+@pytest.mark.slow  # seven fresh interpreters, the first importing Inductor from source
 def test_shipped_bytecode_serves_an_image_without_its_own(tmp_path: Path) -> None:
     folder, pkg, empty = tmp_path / "bytecode", tmp_path / "pkg", tmp_path / "no-pyc"
     pkg.mkdir()
@@ -242,6 +243,7 @@ print(os.environ.get("KILN_TEST_SERVED"), sys.pycache_prefix == sys.argv[2])
 """
 
 
+@pytest.mark.slow  # a fresh interpreter fingerprints with Inductor imported from source
 def test_activate_serves_no_bytecode_before_the_compat_check_passes(tmp_path: Path) -> None:
     """Issue 27, item 1: a pyc in the artifact ran inside ``activate(compat="fail")`` before
     the check refused the environment. Here a checked pyc of Dynamo's ``__init__`` (its real
