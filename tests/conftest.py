@@ -30,6 +30,15 @@ NO_TORCH = "import sys; sys.modules['torch'] = None; sys.modules['triton'] = Non
 # every bake, verify and server of a run shares the setting, as a real deployment does.
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 
+# Inductor proves each CPU vector ISA it may use by building a probe with g++ and loading it in
+# a child interpreter: 10 builds and 10 interpreters in every process that compiles into a new
+# cache root (every bake's first pass, every cold run), ~8 s of a 27.6 s MLP bake on 2 cores
+# (18.1 s without). The run trusts the CPU's flags instead (one machine, the same answer), and
+# every process of it shares the setting, which is in Inductor's cache key. The tests whose
+# subject is what a process builds or writes (tests/test_first_process.py, `kiln check`'s kept
+# probes) serve with the probes real: ``real_isa_probes`` below.
+os.environ.setdefault("TORCHINDUCTOR_VEC_ISA_OK", "1")
+
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     # Slow tests first (a stable sort: file order otherwise): spread over xdist workers, the
@@ -268,6 +277,12 @@ def baked(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Any]:
     """One real CPU bake of the 3-bucket MLP (``mlp_spec()``), shared by the tests that read
     artifacts (test_roundtrip, test_cli_render, test_deploy, test_reproducible)."""
     return bake_once(tmp_path_factory, "baked", mlp_spec())
+
+
+@pytest.fixture
+def real_isa_probes(monkeypatch: pytest.MonkeyPatch) -> None:
+    """This test and its processes prove CPU ISAs with g++ as torch does by default."""
+    monkeypatch.delenv("TORCHINDUCTOR_VEC_ISA_OK", raising=False)
 
 
 @pytest.fixture

@@ -101,6 +101,7 @@ def test_a_finished_bake_leaves_nothing_in_tmpdir(tmp_path: Path) -> None:
 
 
 @pytest.mark.slow  # the probes compile: ~10 s a run on 2 cores where none are kept
+@pytest.mark.usefixtures("real_isa_probes")  # where they go is the subject
 def test_check_leaves_nothing_in_tmpdir_or_the_restored_folder(tmp_path: Path) -> None:
     """`kiln check` fingerprints this machine, and Inductor compiles CPU-ISA probes to do it:
     into $TMPDIR/torchinductor_$USER when no cache folder is set, into DIR/inductor once

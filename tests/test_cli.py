@@ -250,6 +250,7 @@ def test_the_cache_location_factor(tmp_path: Path) -> None:
 
 
 @pytest.mark.slow  # each check compiles Inductor's CPU-ISA probes: ~25 s on 2 cores
+@pytest.mark.usefixtures("real_isa_probes")  # the archive was made without the run's setting
 def test_check_of_a_moved_folder_is_exit_5_naming_the_cache_location(cli, tmp_path: Path) -> None:
     import shutil
 

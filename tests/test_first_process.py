@@ -12,16 +12,21 @@ from pathlib import Path
 import pytest
 
 import kiln
+from tests.conftest import bake_once, mlp_spec
 from tests.first_process import digest_tree, serve_like_a_user
 
-pytestmark = pytest.mark.slow
+# What these processes build is the subject: Inductor's ISA probes are real here.
+pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("real_isa_probes")]
 
 
-@pytest.fixture
-def artifact(baked) -> tuple[Path, Path]:
-    """The session's shared bake of the 3-bucket MLP: read only here (each test restores it into
+@pytest.fixture(scope="module")
+def artifact(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
+    """A shared bake of the 3-bucket MLP with the ISA probes real (the session's ``baked`` trusts
+    the CPU's flags, which is in Inductor's cache key): read only here (each test restores it into
     a folder of its own, so no test sees another's state)."""
-    spec, result = baked
+    with pytest.MonkeyPatch.context() as mp:
+        mp.delenv("TORCHINDUCTOR_VEC_ISA_OK", raising=False)
+        spec, result = bake_once(tmp_path_factory, "baked-real-isa", mlp_spec())
     assert result.manifest.proof is not None and result.manifest.proof.compiles == 0
     return spec, result.artifact
 
