@@ -259,6 +259,7 @@ HOSTILE: list[Hostile] = [
         "TORCHINDUCTOR_CACHE_DIR",
     ),
     Hostile("env-triton-home", _with_manifest(env={"TRITON_HOME": "/tmp"}), "TRITON_HOME"),
+    Hostile("env-cuda-cache", _with_manifest(env={"CUDA_CACHE_PATH": "/tmp"}), "CUDA_CACHE_PATH"),
     Hostile("env-nul-value", _with_manifest(env={"TORCH_LOGS": "a\x00b"}), "NUL"),
     Hostile("name-newline", _with_manifest(name="demo\ntouch pwned"), "not an artifact name"),
     Hostile("name-too-long", _with_manifest(name="a" * 129), "not an artifact name"),

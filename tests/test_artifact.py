@@ -41,6 +41,13 @@ def test_capture_skips_locks_and_temp_and_classifies(tmp_path: Path) -> None:
     # Triton's helpers built outside the root ship too (a pod would build them with gcc).
     helper = "triton-home/.triton/cache/K/cuda_utils.cpython-312-x86_64-linux-gnu.so"
     assert {e.path: e.kind for e in entries}[helper] == "triton"
+    # So does the CUDA driver's JIT cache (a PTX-only library kernel, compiled at first load).
+    jit = tmp_path / "cuda-cache" / "a" / "2"
+    jit.mkdir(parents=True)
+    (jit / "daf144f9da5951").write_bytes(b"sass")
+    (tmp_path / "cuda-cache" / "index").write_bytes(b"index")
+    kinds = {e.path: e.kind for e in capture(tmp_path)}
+    assert kinds["cuda-cache/a/2/daf144f9da5951"] == kinds["cuda-cache/index"] == "driver"
     assert paths == sorted(paths)
     assert "inductor/locks/xy.lock" not in paths
     assert not any(".tmp" in p for p in paths)

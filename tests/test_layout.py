@@ -23,6 +23,7 @@ def test_a_one_rank_layout_is_the_root_itself() -> None:
     assert layout.dir == ROOT
     assert layout.inductor == ROOT / "inductor"
     assert layout.triton_home == ROOT / "triton-home"
+    assert layout.cuda_cache == ROOT / "cuda-cache"
     assert layout.megacache == ROOT / "megacache.bin"
     assert layout.precompiled == ROOT / "precompiled.bin"
     assert layout.frames == ROOT / "inductor/dynamo"
@@ -36,6 +37,7 @@ def test_a_rank_keeps_the_same_layout_in_its_own_folder() -> None:
     assert layout.dir == ROOT / "ranks/3"
     assert layout.inductor == ROOT / "ranks/3/inductor"
     assert layout.triton_home == ROOT / "ranks/3/triton-home"
+    assert layout.cuda_cache == ROOT / "ranks/3/cuda-cache"
     assert layout.megacache == ROOT / "ranks/3/megacache.bin"
     assert layout.precompiled == ROOT / "ranks/3/precompiled.bin"
     assert layout.locks == ROOT / "ranks/3/inductor/locks"
@@ -96,6 +98,7 @@ def test_a_served_process_caches_where_the_layout_says(rank: int | None) -> None
     layout = CacheLayout(ROOT, rank)
     assert env["TORCHINDUCTOR_CACHE_DIR"] == str(layout.inductor)
     assert env["TRITON_HOME"] == str(layout.triton_home)
+    assert env["CUDA_CACHE_PATH"] == str(layout.cuda_cache)
     assert env["KILN_CACHE_DIR"] == str(ROOT)
 
 

@@ -240,6 +240,7 @@ def test_restore_writes_each_copy_from_its_checked_source(tmp_path: Path) -> Non
     assert got["ranks/1/inductor/b.so"] == STORED["ranks/1/inductor/b.so"]
     assert result.files == 3 and result.summary()["ranks"] == 2
     assert '/ranks/"$kiln_rank"/inductor' in got["kiln.env"].decode()
+    assert '/ranks/"$kiln_rank"/cuda-cache' in got["kiln.env"].decode()
     # Copies, never links: a rank writing into its folder cannot change another rank's file.
     a, b = (tmp_path / "cache/ranks" / r / "inductor/a.py" for r in "01")
     assert not a.samefile(b) and a.stat().st_nlink == 1

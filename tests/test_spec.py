@@ -304,6 +304,7 @@ def test_committed_schema_is_current() -> None:
         ("PYTHONPATH", "PYTHONPATH does not affect compilation"),
         ("TORCHINDUCTOR_CACHE_DIR", "TORCHINDUCTOR_CACHE_DIR moves a cache"),
         ("TRITON_HOME", "TRITON_HOME moves a cache"),
+        ("CUDA_CACHE_PATH", "CUDA_CACHE_PATH moves a cache"),
         ("TORCHINDUCTOR_FORCE_DISABLE_CACHES", "TORCHINDUCTOR_FORCE_DISABLE_CACHES moves a cache"),
     ],
 )

@@ -30,6 +30,7 @@ CACHE_LOCATION_VARS = frozenset(
         "TORCHINDUCTOR_CACHE_DIR",
         "TRITON_CACHE_DIR",
         "TRITON_HOME",
+        "CUDA_CACHE_PATH",
         "TRITON_DUMP_DIR",
         "TRITON_OVERRIDE_DIR",
         "TORCH_COMPILE_DEBUG_DIR",

@@ -20,6 +20,13 @@ BYTECODE_DIR = "bytecode"  # a sys.pycache_prefix tree of the imported modules (
 # TRITON_CACHE_DIR (the driver starts before the first kernel loads). The bake's go into the
 # artifact, so a served process finds them instead of running gcc in every new pod.
 TRITON_HOME_DIR = "triton-home"
+# CUDA_CACHE_PATH of a bake and of a served process: the CUDA driver's JIT cache. A kernel that a
+# library ships as PTX only for this GPU is compiled by the driver when first loaded, into
+# ~/.nv/ComputeCache by default (H200, cuDNN 9.19, the reference convnet: one entry at its first
+# convolution, eager or compiled alike; none with cuDNN off). The bake's entries go into the
+# artifact, so a served process loads them instead of JIT-compiling in every new pod; a process
+# that hits the cache rewrites nothing in it (measured: every file byte-for-byte the same).
+CUDA_CACHE_DIR = "cuda-cache"
 # Inductor takes a file lock under CACHE/locks for every C++ kernel it loads, hit or not; restore
 # links that folder to LOCKS_TARGET so that a read-only DEST serves and a served process writes
 # nothing into it (the locks are empty files, meaningful only between processes of one host).
@@ -91,6 +98,11 @@ class CacheLayout:
     def triton_home(self) -> Path:
         """``TRITON_HOME`` (:data:`TRITON_HOME_DIR` says why it ships)."""
         return self.dir / TRITON_HOME_DIR
+
+    @property
+    def cuda_cache(self) -> Path:
+        """``CUDA_CACHE_PATH`` (:data:`CUDA_CACHE_DIR` says why it ships)."""
+        return self.dir / CUDA_CACHE_DIR
 
     @property
     def megacache(self) -> Path:

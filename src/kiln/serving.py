@@ -24,7 +24,7 @@ from pathlib import Path
 from typing import Any, Literal, Protocol
 
 from kiln.envrules import ENV_KEY_PATTERN, is_cache_location
-from kiln.layout import INDUCTOR_DIR, TRITON_HOME_DIR, CacheLayout
+from kiln.layout import CUDA_CACHE_DIR, INDUCTOR_DIR, TRITON_HOME_DIR, CacheLayout
 
 
 # What this module reads of the spec and the manifest, which both import it: structural types,
@@ -181,6 +181,7 @@ def cache_env(dest: Path, env: Mapping[str, str], rank: int | None = None) -> di
         **SERVING_ENV,
         "TORCHINDUCTOR_CACHE_DIR": str(layout.inductor),
         "TRITON_HOME": str(layout.triton_home),
+        "CUDA_CACHE_PATH": str(layout.cuda_cache),
         "KILN_CACHE_DIR": str(dest),
     }
 
@@ -210,7 +211,11 @@ def env_file_text(dest: Path, name: str, env: Mapping[str, str], world: int | No
     return "\n".join(lines) + "\n"
 
 
-_RANK_PATHS = {"TORCHINDUCTOR_CACHE_DIR": INDUCTOR_DIR, "TRITON_HOME": TRITON_HOME_DIR}
+_RANK_PATHS = {
+    "TORCHINDUCTOR_CACHE_DIR": INDUCTOR_DIR,
+    "TRITON_HOME": TRITON_HOME_DIR,
+    "CUDA_CACHE_PATH": CUDA_CACHE_DIR,
+}
 
 
 def _rank_lines(dest: Path, world_size: int) -> list[str]:

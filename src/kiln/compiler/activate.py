@@ -227,6 +227,14 @@ def _follow_env(env: dict[str, str], notes: list[str]) -> None:
 
     if counters["frames"]["total"]:
         notes.append("activate() ran after torch.compile had already compiled frames")
+    # The CUDA driver reads CUDA_CACHE_PATH once, when CUDA starts: its shipped JIT cache
+    # (kiln.layout.CUDA_CACHE_DIR) serves only a process that calls activate() before that.
+    torch = sys.modules["torch"]
+    if Path(env["CUDA_CACHE_PATH"]).is_dir() and torch.cuda.is_initialized():
+        notes.append(
+            "activate() ran after CUDA had started: the driver's JIT cache in the artifact is "
+            "not used (call activate() before the first CUDA call)"
+        )
     for var, (module, attr, kind) in _CONFIG_BACKED.items():
         if var in env and module in sys.modules:
             setattr(sys.modules[module], attr, kind(env[var]))

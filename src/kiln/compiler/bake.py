@@ -343,6 +343,8 @@ class _Baker:
             # Triton's own default (~/.triton) is outside the root: keep it private too, and
             # ship it (kiln.layout.TRITON_HOME_DIR says why).
             "TRITON_HOME": str(self.layout.triton_home),
+            # The CUDA driver's JIT cache, likewise (kiln.layout.CUDA_CACHE_DIR).
+            "CUDA_CACHE_PATH": str(self.layout.cuda_cache),
         }
         route = self.spec.compile.precompile_route
         precompile = self.layout.precompiled if route == "aot" else None

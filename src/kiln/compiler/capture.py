@@ -18,6 +18,7 @@ from kiln.bytecode import header_problem, library_problem, pyc_path
 from kiln.layout import (
     AOTI_DIR,
     BYTECODE_DIR,
+    CUDA_CACHE_DIR,
     FRAMES_DIR,
     INDUCTOR_DIR,
     LOCKS_DIR,
@@ -62,6 +63,8 @@ def cache_kind(rel: str) -> str:
         return "bytecode"
     if parts[0] == TRITON_HOME_DIR:
         return "triton"
+    if parts[0] == CUDA_CACHE_DIR:
+        return "driver"
     if parts[0] == AOTI_DIR:
         return "aoti"
     if len(parts) >= 2 and parts[0] == INDUCTOR_DIR:
@@ -75,11 +78,13 @@ def cache_kind(rel: str) -> str:
 def capture(folder: Path) -> list[FileEntry]:
     """File entries for one compiling process's layout at ``folder``: its cache root
     (``inductor/``), the native helpers Triton built outside it (``triton-home/``, see
-    :data:`~kiln.layout.TRITON_HOME_DIR`), and the blobs that exist (the Mega-Cache blob, the
+    :data:`~kiln.layout.TRITON_HOME_DIR`), the CUDA driver's JIT cache (``cuda-cache/``, see
+    :data:`~kiln.layout.CUDA_CACHE_DIR`), and the blobs that exist (the Mega-Cache blob, the
     precompiled forwards), stored at the artifact root by name."""
     layout = CacheLayout(folder)
     entries = _tree(layout.inductor, INDUCTOR_DIR)
     entries += capture_tree(layout.triton_home, TRITON_HOME_DIR)
+    entries += capture_tree(layout.cuda_cache, CUDA_CACHE_DIR)
     blobs = (layout.megacache, layout.precompiled)
     entries.extend(_entry(blob, blob.name) for blob in blobs if blob.is_file())
     return sorted(entries, key=lambda e: e.path)

@@ -40,7 +40,7 @@ _PATH_FIELDS = (
     "precompile_save",
     "precompile_load",
 )
-_PATH_VARS = ("TORCHINDUCTOR_CACHE_DIR", "TRITON_HOME")
+_PATH_VARS = ("TORCHINDUCTOR_CACHE_DIR", "TRITON_HOME", "CUDA_CACHE_PATH")
 # What torch's launchers set in their workers. kiln's own launch sets them afresh; inherited
 # ones (kiln run inside someone else's launch) would point a rank at the outer rendezvous.
 LAUNCH_VARS = (
