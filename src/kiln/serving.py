@@ -24,7 +24,7 @@ from pathlib import Path
 from typing import Any, Literal, Protocol
 
 from kiln.envrules import ENV_KEY_PATTERN, is_cache_location
-from kiln.layout import CUDA_CACHE_DIR, INDUCTOR_DIR, TRITON_HOME_DIR, CacheLayout
+from kiln.layout import CacheLayout
 
 
 # What this module reads of the spec and the manifest, which both import it: structural types,
@@ -167,6 +167,20 @@ def serving_rank(world_size: int, environ: Mapping[str, str] | None = None) -> i
     )
 
 
+def location_env(layout: CacheLayout) -> dict[str, str]:
+    """Where a process keeps the caches kiln ships, as the variables that put them there: the
+    one list of them for a bake's workers, a served process and ``kiln.env`` (each is a
+    :data:`~kiln.envrules.CACHE_LOCATION_VARS` entry, kiln's to set). A relative ``layout`` gives
+    each folder's name."""
+    return {
+        "TORCHINDUCTOR_CACHE_DIR": str(layout.inductor),
+        # Triton's native helpers (kiln.layout.TRITON_HOME_DIR says why they ship).
+        "TRITON_HOME": str(layout.triton_home),
+        # The CUDA driver's JIT cache (kiln.layout.CUDA_CACHE_DIR).
+        "CUDA_CACHE_PATH": str(layout.cuda_cache),
+    }
+
+
 def cache_env(dest: Path, env: Mapping[str, str], rank: int | None = None) -> dict[str, str]:
     """The environment a serving process needs to hit the caches restored at ``dest``.
 
@@ -175,13 +189,10 @@ def cache_env(dest: Path, env: Mapping[str, str], rank: int | None = None) -> di
     this process's rank in a K-rank artifact (its caches are in its :class:`CacheLayout`);
     ``KILN_CACHE_DIR`` stays the restored folder.
     """
-    layout = CacheLayout(dest, rank)
     return {
         **env,
         **SERVING_ENV,
-        "TORCHINDUCTOR_CACHE_DIR": str(layout.inductor),
-        "TRITON_HOME": str(layout.triton_home),
-        "CUDA_CACHE_PATH": str(layout.cuda_cache),
+        **location_env(CacheLayout(dest, rank)),
         "KILN_CACHE_DIR": str(dest),
     }
 
@@ -211,11 +222,7 @@ def env_file_text(dest: Path, name: str, env: Mapping[str, str], world: int | No
     return "\n".join(lines) + "\n"
 
 
-_RANK_PATHS = {
-    "TORCHINDUCTOR_CACHE_DIR": INDUCTOR_DIR,
-    "TRITON_HOME": TRITON_HOME_DIR,
-    "CUDA_CACHE_PATH": CUDA_CACHE_DIR,
-}
+_RANK_PATHS = location_env(CacheLayout())  # each variable's folder name in a rank's folder
 
 
 def _rank_lines(dest: Path, world_size: int) -> list[str]:

@@ -79,6 +79,7 @@ from kiln.serving import (
     SERVING_ENV,
     cold_torch_kwargs,
     compile_env,
+    location_env,
     torch_kwargs,
 )
 from kiln.spec import MAX_PASSES, Spec, load_spec
@@ -339,12 +340,9 @@ class _Baker:
         self.root.mkdir()
         self.env = {
             **compile_env(self.spec),
-            "TORCHINDUCTOR_CACHE_DIR": str(self.root),
-            # Triton's own default (~/.triton) is outside the root: keep it private too, and
-            # ship it (kiln.layout.TRITON_HOME_DIR says why).
-            "TRITON_HOME": str(self.layout.triton_home),
-            # The CUDA driver's JIT cache, likewise (kiln.layout.CUDA_CACHE_DIR).
-            "CUDA_CACHE_PATH": str(self.layout.cuda_cache),
+            # Inductor's root, and the caches outside it that torch's defaults would put in
+            # HOME (~/.triton, ~/.nv): all private to the bake, all shipped.
+            **location_env(self.layout),
         }
         route = self.spec.compile.precompile_route
         precompile = self.layout.precompiled if route == "aot" else None

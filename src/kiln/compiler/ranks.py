@@ -29,6 +29,7 @@ from typing import Any
 
 from kiln.compiler.protocol import WorkerRequest
 from kiln.layout import CacheLayout
+from kiln.serving import location_env
 from kiln.spec import RANK_KWARGS, Spec
 
 RANK_PLACEHOLDER = "{rank}"  # in the worker's argv: each rank reads its own request file
@@ -40,7 +41,7 @@ _PATH_FIELDS = (
     "precompile_save",
     "precompile_load",
 )
-_PATH_VARS = ("TORCHINDUCTOR_CACHE_DIR", "TRITON_HOME", "CUDA_CACHE_PATH")
+_PATH_VARS = tuple(location_env(CacheLayout()))
 # What torch's launchers set in their workers. kiln's own launch sets them afresh; inherited
 # ones (kiln run inside someone else's launch) would point a rank at the outer rendezvous.
 LAUNCH_VARS = (
