@@ -33,10 +33,11 @@ os.environ.setdefault("OMP_NUM_THREADS", "1")
 # Inductor proves each CPU vector ISA it may use by building a probe with g++ and loading it in
 # a child interpreter: 10 builds and 10 interpreters in every process that compiles into a new
 # cache root (every bake's first pass, every cold run), ~8 s of a 27.6 s MLP bake on 2 cores
-# (18.1 s without). The run trusts the CPU's flags instead (one machine, the same answer), and
-# every process of it shares the setting, which is in Inductor's cache key. The tests whose
-# subject is what a process builds or writes (tests/test_first_process.py, `kiln check`'s kept
-# probes) serve with the probes real: ``real_isa_probes`` below.
+# (18.1 s with the setting below). The run trusts the CPU's flags for each ISA's base probe (one
+# machine, the same answer; the AVX-512 and AMX variants still build their extra probes, 12 builds
+# left in a bake), and every process of it shares the setting, which is in Inductor's cache key.
+# The tests whose subject is what a process builds or writes (tests/test_first_process.py, `kiln
+# check`'s kept probes) serve with the probes real: ``real_isa_probes`` below.
 os.environ.setdefault("TORCHINDUCTOR_VEC_ISA_OK", "1")
 
 
