@@ -34,7 +34,7 @@ os.environ.setdefault("OMP_NUM_THREADS", "1")
 # a child interpreter: 10 builds and 10 interpreters in every process that compiles into a new
 # cache root (every bake's first pass, every cold run), ~8 s of a 27.6 s MLP bake on 2 cores
 # (18.1 s with the setting below). The run trusts the CPU's flags for each ISA's base probe (one
-# machine, the same answer; the AVX-512 and AMX variants still build their extra probes, 12 builds
+# machine, the same answer; the AVX-512 and AMX variants still build their extra probes, 6 builds
 # left in a bake), and every process of it shares the setting, which is in Inductor's cache key.
 # The tests whose subject is what a process builds or writes (tests/test_first_process.py, `kiln
 # check`'s kept probes) serve with the probes real: ``real_isa_probes`` below.
