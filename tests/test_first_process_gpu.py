@@ -21,7 +21,7 @@ import kiln
 from tests.conftest import ROOT
 from tests.first_process import serve_like_a_user
 
-pytestmark = [pytest.mark.gpu, pytest.mark.slow]
+pytestmark = [pytest.mark.gpu, pytest.mark.slow, pytest.mark.usefixtures("real_isa_probes")]
 
 # tiny-gpt-cuda-tuned autotunes: its kernels load through Triton's cache groups (relocated by
 # restore), the others' through Inductor's static launcher.
@@ -44,7 +44,12 @@ def record(name: str, data: dict) -> None:
 def baked(request, tmp_path_factory):
     spec = ROOT / request.param
     d = tmp_path_factory.mktemp(spec.stem)
-    result = kiln.bake(spec, d / "a.kiln.tar.zst")
+    # The bake proves CPU ISAs as the user's server does (tests/conftest.py trusts the flags for
+    # the rest of the run; the setting is in Inductor's cache key, and the server's environment
+    # is a fresh pod's): with it, every bucket of the user's first process missed its FX entry.
+    with pytest.MonkeyPatch.context() as mp:
+        mp.delenv("TORCHINDUCTOR_VEC_ISA_OK", raising=False)
+        result = kiln.bake(spec, d / "a.kiln.tar.zst")
     record(
         spec.stem,
         {

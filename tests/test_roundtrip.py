@@ -351,6 +351,8 @@ with torch.inference_mode():
         x = torch.randn(b, 16)
         out[b] = torch.allclose(m(x, scale=2.0), model(x, scale=2.0), atol=1e-5)
         out[f"misses after {{b}}"] = m.misses
+m(torch.randn(2, 16), scale=2.0)  # a grid shape outside inference mode: missed, and why
+out["why"] = m.miss_reason
 print(json.dumps({{"act": act.to_dict(), "out": out, "frames": dict(counters["frames"])}}))
 """
     proc = subprocess.run(
@@ -368,8 +370,9 @@ print(json.dumps({{"act": act.to_dict(), "out": out, "frames": dict(counters["fr
         "misses after 3": 0,
         "7": True,  # off the grid: compiled by the fallback, still correct
         "misses after 7": 1,
+        "why": "GLOBAL_STATE changed: grad_mode",  # the factor, as torch's guard names it
     }
-    assert "match no precompiled bucket" in proc.stderr
+    assert "match no precompiled bucket (no baked bucket has this shape" in proc.stderr
 
     # Forwards damaged after restore: the folder changed, verify fails (exit 6) and says to
     # restore again; the activate route fell back to compiling, which it counts.

@@ -76,6 +76,11 @@ class Forward:
         served = self.precompiled or self.aoti
         return served.misses if served is not None else 0
 
+    @property
+    def miss_reason(self) -> str | None:
+        """Why the last precompiled miss missed (the failing guard), where known."""
+        return getattr(self.precompiled, "miss_reason", None)
+
 
 class Meter:
     """Measures what one step compiled: the difference in torch's counters, what Dynamo logged
@@ -121,13 +126,16 @@ class Meter:
         ]
         traced = self.dynamo.frames_since(mark)
         misses = self.forward.misses - missed
+        reasons = self.dynamo.recompiles_since(mark)
+        if misses and self.forward.miss_reason:
+            reasons = [f"precompiled: {self.forward.miss_reason}", *reasons]
         if self.forward.serves_frames:  # the saved frames did not cover these
             misses += len(traced)
         compiles = compile_counts(
             CompileCounters.read() - before,
             new_files,
             served=self.watch is not None,
-            recompile_reasons=self.dynamo.recompiles_since(mark),
+            recompile_reasons=reasons,
             precompile_misses=misses,
             frames=traced,
         )

@@ -67,6 +67,7 @@ class PrecompiledForward:
         self._torch_kwargs = {**torch_kwargs, "fullgraph": True}
         self._fallback: Callable[..., Any] | None = None
         self.misses = 0
+        self.miss_reason: str | None = None  # the last miss's failing guard, as torch words it
 
     @classmethod
     def empty(cls, module: Any, torch_kwargs: dict[str, Any]) -> PrecompiledForward:
@@ -112,13 +113,38 @@ class PrecompiledForward:
         import torch
 
         self.misses += 1
-        if self._fallback is None:
+        reason = self.why_not(*args, **kwargs)
+        if reason != self.miss_reason:  # once per distinct cause, not once per request
             log.warning(
-                "kiln: inputs match no precompiled bucket (shape outside the baked grid, or "
-                "another grad mode): compiling with torch.compile"
+                "kiln: inputs match no precompiled bucket (%s): compiling with torch.compile",
+                reason,
             )
+        self.miss_reason = reason
+        if self._fallback is None:
             self._fallback = torch.compile(self.module, **self._torch_kwargs)
         return self._fallback(*args, **kwargs)
+
+    def why_not(self, *args: Any, **kwargs: Any) -> str:
+        """Why no baked graph takes these inputs: the first failing guard of each, as torch's
+        ``check_verbose`` words it. A guard on anything but a size (grad mode, a global flag, a
+        dtype, a stride, a device) names the factor outright, so it is preferred over the size
+        guards every other bucket fails. Uses torch's private guard API; says so if that moved."""
+        if not self.results:
+            return "no graph was baked"
+        failing: list[str] = []
+        for r in self.results:
+            try:
+                f_locals = r.prepare_f_locals(self.module, *args, **kwargs)
+                info = r._artifacts.guard_manager.check_verbose(f_locals)
+                parts = [str(p).strip() for p in getattr(info, "verbose_code_parts", [])]
+            except Exception as exc:  # a private API: a torch that moved it still serves
+                return f"guards not readable in this torch: {type(exc).__name__}"
+            if parts:
+                failing.append(" ".join(parts))
+        if not failing:
+            return "every guard passes (another cause: see torch's recompile log)"
+        named = [f for f in failing if "size mismatch" not in f]
+        return named[0][:300] if named else f"no baked bucket has this shape ({failing[0][:240]})"
 
     def to_bytes(self) -> bytes:
         from torch._dynamo.aot_compile import AOTCompiledModel

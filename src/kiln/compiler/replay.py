@@ -86,6 +86,7 @@ class RequestRecord(_Message):
     overhead_s: float = Field(0.0, description="host time the padding path added")
     eager_s: float | None = None
     max_abs_diff: float | None = Field(None, description="served vs unpadded eager, real slice")
+    why: str | None = Field(None, description="a precompiled miss's failing guard (torch's words)")
 
 
 class ReplayResult(_Message):
@@ -171,7 +172,11 @@ class ReplayReport:
         }
 
     def reasons(self) -> list[str]:
-        out = [f"{r.key} (bucket {r.bucket}): {r.compiles} compile(s)" for r in self.failing[:10]]
+        out = [
+            f"{r.key} (bucket {r.bucket}): {r.compiles} compile(s)"
+            + (f": {r.why}" if r.why else "")
+            for r in self.failing[:10]
+        ]
         if self.result.new_files:
             shown = ", ".join(self.result.new_files[:3])
             out.append(f"{len(self.result.new_files)} file(s) written while serving: {shown}")
@@ -401,6 +406,7 @@ class _Replayer:
         at = self.grid.lookup(bucket.as_dict())
         before, mark = CompileCounters.read(), self.dynamo.mark()
         missed = getattr(self.served, "misses", 0)
+        why = None
         pre = self.settle() if at is None else None
         self.sync()
         t0 = time.perf_counter()
@@ -411,6 +417,8 @@ class _Replayer:
         except OffGridError:
             out, latency = None, None
         traced = len(self.dynamo.frames_since(mark)) if self.frames else 0
+        if getattr(self.served, "misses", 0) > missed:
+            why = getattr(self.served, "miss_reason", None)
         written: list[str] = []
         if pre is not None:  # off the grid: what it wrote is its own, not the grid's
             self.last = self.watch.snapshot()
@@ -439,6 +447,7 @@ class _Replayer:
             overhead_s=stats.last_overhead_s if stats is not None else 0.0,
             eager_s=eager_s,
             max_abs_diff=diff,
+            why=why,
         )
 
 
