@@ -116,6 +116,9 @@ def test_verify_traffic_cli_passes_and_fails_on_an_in_grid_compile(
         shutil.rmtree(broken / "inductor" / kind, ignore_errors=True)
     manifest = json.loads((broken / "manifest.json").read_text())
     (broken / "manifest.json").write_text(json.dumps(manifest | {"megacache": None}))
-    failed = cli("verify", spec, "--cache", broken, "--traffic", log)
+    failed = cli("verify", spec, "--cache", broken, "--traffic", log, "--json")
     assert failed.returncode == 6, failed.stderr
-    assert "compile(s)" in failed.stderr
+    report = json.loads(failed.stdout)
+    assert any("compile(s)" in line for line in report["failing"])
+    # What the compiles wrote in the served copy is listed, by where it went.
+    assert report["new_files"] and all(f.startswith("DIR/inductor/") for f in report["new_files"])

@@ -51,6 +51,7 @@ from kiln.spec import Spec, load_spec
 from kiln.traffic import read_traffic
 
 MAX_REPLAY = 100_000  # requests one replay serves (counts expanded)
+NEW_FILES_SHOWN = 100  # files written while serving, listed in the JSON report
 
 
 class _Message(BaseModel):
@@ -193,6 +194,7 @@ class ReplayReport:
             "summary": self.summary(),
             "failing": self.reasons(),
             "padding": self.result.padding,
+            "new_files": self.result.new_files[:NEW_FILES_SHOWN],
             "requests": [r.model_dump(mode="json") for r in self.result.records],
             **self.extra,
         }
