@@ -339,8 +339,9 @@ def test_a_ranged_program_is_not_sharded(tmp_path: Path) -> None:
 def test_shards_merge_into_one_set_of_packages(tmp_path: Path, cli) -> None:
     spec = tmp_path / "spec.yaml"
     spec.write_text(aoti_spec("sharded"))
-    for i in range(2):
-        assert kiln.bake(spec, tmp_path / f"s{i}.kiln.tar.zst", shard=f"{i}/2") is not None
+    for i in range(2):  # unproven: the merged artifact is what this test proves, verified
+        out = tmp_path / f"s{i}.kiln.tar.zst"
+        assert kiln.bake(spec, out, shard=f"{i}/2", prove=False) is not None
     shards = [tmp_path / "s1.kiln.tar.zst", tmp_path / "s0.kiln.tar.zst"]
     merged = kiln.merge(shards, tmp_path / "m.kiln.tar.zst")
     aoti = merged.manifest.aoti
