@@ -7,6 +7,8 @@ from pathlib import Path
 
 import pytest
 
+from kiln.compiler.bench import reusable_bake
+from kiln.spec import load_spec
 from tests.conftest import mlp_spec
 
 pytestmark = pytest.mark.slow
@@ -14,12 +16,13 @@ pytestmark = pytest.mark.slow
 
 def test_bench_modes_and_ratios(write_spec, cli, tmp_path: Path) -> None:
     # One bucket: every mode runs the whole grid either way; each bucket more is a graph that
-    # the two bakes and the megacache mode each compile again.
+    # the bake and the megacache mode each compile again.
     spec = write_spec(mlp_spec("bench-mlp", buckets="batch: [2]"))
     saved = tmp_path / "bench.json"
-    tmp = tmp_path / "tmp"
+    tmp, work = tmp_path / "tmp", tmp_path / "work"
     tmp.mkdir()
-    proc = cli("bench", spec, "--json", "--save", saved, env={"TMPDIR": str(tmp)})
+    args = ("--json", "--save", saved, "--workdir", work)
+    proc = cli("bench", spec, *args, env={"TMPDIR": str(tmp)})
     assert proc.returncode == 0, proc.stderr[-3000:]
     # kiln leaves nothing in the temp dir but the bake's per-name lock. (torch writes C++
     # precompiled headers to its default folder whatever TORCHINDUCTOR_CACHE_DIR says.)
@@ -27,6 +30,7 @@ def test_bench_modes_and_ratios(write_spec, cli, tmp_path: Path) -> None:
     assert all(p.suffix == ".lock" and p.stat().st_size == 0 for p in left), left
     report = json.loads(proc.stdout)
     assert report == json.loads(saved.read_text())
+    assert report["bake_reused"] is False and (work / "bench.kiln.tar.zst").is_file()
     modes = report["modes"]
     assert set(modes) == {"eager", "cold", "kiln", "megacache", "copied"}
     assert modes["cold"]["compiles"] > 0
@@ -46,16 +50,18 @@ def test_bench_modes_and_ratios(write_spec, cli, tmp_path: Path) -> None:
     assert "model build" in served and not any("pool" in phase for phase in served)
     for m in (modes["eager"], modes["kiln"]):
         assert abs(sum(p["s"] for p in m["startup_phases"]) - m["startup_s"]) < 0.05
-    human = cli(
-        "bench", spec, "--modes", "kiln,kiln-blob,kiln-serial", "--repeat", "2", "--save", saved
-    )
+    # Other modes in the same --workdir: the bake is reused (same spec, model and machine).
+    modes = ("--modes", "kiln,kiln-blob,kiln-serial", "--repeat", "2")
+    human = cli("bench", spec, *modes, "--save", saved, "--workdir", work)
     assert human.returncode == 0, human.stderr[-2000:]
     assert "time to ready" in human.stdout and "kiln-blob" in human.stdout
     assert "start-up, phase by phase" in human.stdout
     # Piped progress says which mode and which run each line belongs to (issue 17 item 4).
-    assert "bench: bake" in human.stderr and "bench: kiln-blob 2/2" in human.stderr
+    assert f"bench: bake: reused from {work}" in human.stderr and "pass 1" not in human.stderr
+    assert "bench: kiln-blob 2/2" in human.stderr
     assert "  kiln-serial 1/2 · batch=2: start (" in human.stderr
     both = json.loads(saved.read_text())
+    assert both["bake_reused"] is True and both["bake_wall_s"] == report["bake_wall_s"]
     assert set(both["modes"]) == {"kiln", "kiln-blob", "kiln-serial"}
     # kiln-serial compiles with options instead of mode, plus compile_threads: same cache entries.
     assert [m["compiles"] for m in both["modes"].values()] == [0, 0, 0]
@@ -66,16 +72,40 @@ def test_bench_modes_and_ratios(write_spec, cli, tmp_path: Path) -> None:
     assert both["ratios"]["kiln-blob/kiln"] > 0 and both["ratios"]["kiln-serial/kiln"] > 0
     bad = cli("bench", spec, "--modes", "kiln,warp", no_torch=True)
     assert bad.returncode == 2 and "warp" in bad.stderr
+    # What a bake in the work folder is not reused for (each would bake again).
+    other = write_spec(mlp_spec("bench-mlp", buckets="batch: [3]"), "other.yaml")
+    assert reusable_bake(load_spec(other), work) == "baked from another spec"
+    with (work / "bench.kiln.tar.zst").open("ab") as artifact:
+        artifact.write(b"\0")
+    assert reusable_bake(load_spec(spec), work) == "the artifact changed"
+    assert reusable_bake(load_spec(spec), tmp_path) == "no bake in the work folder"
 
 
-def test_bench_precompile_spec_compares_with_plain_compile_caches(write_spec) -> None:
-    """kiln serves the precompiled forwards; cold and the stock folder come from plain JIT."""
+def test_bench_precompile_spec_compares_with_plain_compile_caches(
+    write_spec, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """kiln serves the precompiled forwards; cold and the stock folder come from plain JIT. Its
+    work folder, in $TMPDIR without --workdir, is removed with all it held."""
+    import tempfile
+
     import kiln
 
     text = mlp_spec("bench-pre", buckets="batch: [2]").replace(
         "  dynamic: false", "  dynamic: false\n  fullgraph: true\n  precompile: true"
     )
+    # Two passes: the forwards, then the plain route's entries (one pass: the proof compiles on
+    # the plain route and re-bakes, 2 processes more).
+    text = text.replace("{calls: 2}", "{calls: 2, passes: 2}")
+    tmp = tmp_path / "tmp"
+    tmp.mkdir()
+    monkeypatch.setenv("TMPDIR", str(tmp))
+    monkeypatch.setattr(tempfile, "tempdir", None)
     report = kiln.bench(write_spec(text), modes=("cold", "kiln", "copied")).to_dict()
+    # Nothing left in the temp dir but the bake's per-name lock (and torch's precompiled
+    # headers, which go to its default folder whatever TORCHINDUCTOR_CACHE_DIR says).
+    left = [p for p in tmp.rglob("*") if p.is_file() and "torchinductor_" not in str(p)]
+    assert all(p.suffix == ".lock" and p.stat().st_size == 0 for p in left), left
+    assert "bake_reused" not in report  # no --workdir: nothing to reuse
     modes = report["modes"]
     assert report["cold_source"] == "separate plain run"
     assert modes["cold"]["compiles"] > 0

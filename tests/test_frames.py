@@ -68,7 +68,7 @@ else:
     compiled = act.compile(model)
 same = []
 with torch.inference_mode():
-    for shape in [(3, 8), (1, 4), (3, 4), (1, 8), (5, 6)]:  # the grid reordered, then off it
+    for shape in [(3, 8), (1, 8), (5, 6)]:  # the grid reordered, then off it
         ids = torch.randint(0, 100, shape)
         same.append(torch.allclose(compiled(ids), model(ids), atol=1e-5))
         if shape == (1, 8):
@@ -81,6 +81,8 @@ print(json.dumps({{"grid_frames": grid_frames, "all_frames": counters["frames"][
 """
 
 
+# Two buckets, one graph each side of the break: each bucket more is two graphs compiled in
+# each of the bake's passes (four buckets: 21 g++ builds, 72 s of this module on 2 cores).
 SPEC = (
     "name: enc\n"
     "model:\n"
@@ -93,7 +95,7 @@ SPEC = (
     "  - {name: ids, shape: [batch, seq], dtype: int64, fill: randint, low: 0, high: 100}\n"
     "buckets:\n"
     "  batch: [1, 3]\n"
-    "  seq: [4, 8]\n"
+    "  seq: [8]\n"
     "warmup: {calls: 2}\n"
 )
 
@@ -136,17 +138,19 @@ def test_graph_break_model_serves_its_saved_frames_without_tracing(enc_baked, tm
 
     cache = tmp_path / "elsewhere" / "cache"
     kiln.restore(artifact, cache)
-    report = kiln.verify(spec, cache=cache)
+    # The activate route, the one that loads the frames (the bake's proof served both routes,
+    # and the plain one is served below).
+    report = kiln.verify(spec, cache=cache, routes=("activate",))
     assert report.ok, report
     # No bucket traced a frame: today's folder route traces 2 per bucket (before and after
     # the break), then finds the graphs.
     traced = [(b.frames, b.unique_graphs) for b in report.on_route("activate")]
-    assert traced == [([], 0)] * 4, traced
+    assert traced == [([], 0)] * 2, traced
 
     served = _serve(cache, spec.parent, "encmod")
     assert served["grid_frames"] == 0, served
     assert served["all_frames"] > 0  # (5, 6) is off the grid: compiled, no name clash
-    assert served["same"] == [True] * 5 and served["warnings"] == []
+    assert served["same"] == [True] * 3 and served["warnings"] == []
     # The loaded graphs saw reduce-overhead's settings: each asked for CUDA graphs, which torch
     # skips on the CPU and counts (loaded under the global config, they would not ask: on a GPU
     # they would run without CUDA graphs).
@@ -187,7 +191,7 @@ def test_frames_baked_for_another_module_fall_back_to_torch_compile(enc_baked, t
     kiln.restore(result.artifact, cache)
     (tmp_path / "renamed.py").write_text(ENCODER)
     served = _serve(cache, tmp_path, "renamed")
-    assert served["same"] == [True] * 5
+    assert served["same"] == [True] * 3
     (warning,) = served["warnings"]
     assert "encmod.forward" in warning and "renamed.forward" in warning
 
@@ -220,6 +224,7 @@ def test_a_frames_bake_that_saved_nothing_says_so(tmp_path: Path, monkeypatch) -
     precompile: true that serves nothing."""
     monkeypatch.setenv("TORCH_COMPILE_DISABLE", "1")
     spec = _spec(tmp_path)
-    manifest = kiln.bake(spec, tmp_path / "s.kiln.tar.zst", prove=False).manifest
+    # One pass: the frames are recorded by the first, and a pass that traces nothing has none.
+    manifest = kiln.bake(spec, tmp_path / "s.kiln.tar.zst", prove=False, passes=1).manifest
     assert manifest.precompiled_frames is None
     assert any("torch saved no Dynamo frames" in w for w in manifest.warnings), manifest.warnings

@@ -25,7 +25,7 @@ from kiln.layout import lock_links
 from kiln.serving import env_file_text, serving_rank
 from kiln.spec import parse_spec
 from tests.archives import reg, tree, write_archive
-from tests.conftest import MODELS, hard_limit
+from tests.conftest import MODELS, hard_limit, once, shared_dir
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -396,17 +396,35 @@ def test_activate_needs_the_rank_of_a_k_rank_artifact(tmp_path: Path, monkeypatc
 
 
 # --- the real thing: 2 ranks, gloo, all_reduce in forward ----------------------------------
-@pytest.mark.slow  # ~2 min on 2 cores: 2 compiling ranks, then 2 verifies of 2 ranks each
-def test_two_rank_bake_restore_verify_hits_on_both_ranks(tmp_path: Path) -> None:
+@pytest.fixture(scope="session")
+def tp_benched(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path, dict[str, Any]]:
+    """``kiln bench`` of ``tp_spec()`` (eager and kiln), once per run: its spec, the artifact its
+    bake left in the work folder (a plain ``kiln.bake`` of the spec, proof included) and its
+    report. The bench test reads the report; the restore-and-verify test serves the artifact."""
+    import json
+
+    import kiln
+
+    folder = shared_dir(tmp_path_factory, "tp-bench")
+    spec_path, saved = folder / "tp.yaml", folder / "report.json"
+    with once(folder) as todo:
+        if todo:
+            spec_path.write_text(tp_spec())
+            report = kiln.bench(spec_path, modes=("eager", "kiln"), workdir=folder / "work")
+            saved.write_text(json.dumps(report.to_dict()))
+    return spec_path, folder / "work" / "bench.kiln.tar.zst", json.loads(saved.read_text())
+
+
+@pytest.mark.slow  # a bench's 2-rank bake (2 compiling ranks, a 2-rank proof), a 2-rank verify
+def test_two_rank_bake_restore_verify_hits_on_both_ranks(tp_benched, tmp_path: Path) -> None:
     """Baked by 2 ranks under torchrun, restored at a new path, verified in the grid's order and
     the reverse one: zero compiles on both ranks; each rank's folder and fingerprint are in
     the manifest, and rank 1 (same keys on the CPU) is served from copies of rank 0's files."""
     import kiln
+    from kiln.artifact.archive import sha256_file
 
-    spec_path = tmp_path / "tp.yaml"
-    spec_path.write_text(tp_spec())
-    result = kiln.bake(spec_path, tmp_path / "tp.kiln.tar.zst")
-    m = result.manifest
+    spec_path, artifact, _ = tp_benched
+    m = read_manifest(artifact)
     assert m.format == 2 and m.distributed is not None and m.world_size == 2
     assert [r.rank for r in m.distributed.ranks] == [0, 1]
     assert all(r.fingerprint.get("device.type") == "cpu" for r in m.distributed.ranks)
@@ -415,19 +433,32 @@ def test_two_rank_bake_restore_verify_hits_on_both_ranks(tmp_path: Path) -> None
     assert m.distributed.ranks[1].same_as == 0
     assert all(f.path.startswith("ranks/0/") for f in m.files)
     dest = tmp_path / "elsewhere" / "cache"
-    kiln.restore(result.artifact, dest, sha256=result.sha256)
+    kiln.restore(artifact, dest, sha256=sha256_file(artifact))
     assert (dest / "ranks/0/inductor").is_dir() and (dest / "ranks/1/inductor").is_dir()
-    # Both orders a 2-bucket grid has (shuffles of seed 1 and 2 were each the reverse one).
-    for order in ("grid", "reverse"):
-        report = kiln.verify(spec_path, dest, order=order, routes=("plain",))
-        assert report.ok, report.reasons()
-        keys = {b.key for b in report.buckets}
-        assert keys == {f"rank {r} · batch={n}" for r in (0, 1) for n in (1, 4)}
-        assert all(b.fx_hits >= 1 for b in report.buckets)
+    # Both orders a 2-bucket grid has: the bake's proof served the one its pass did not (the
+    # reverse), here the grid's.
+    assert m.proof is not None and m.proof.compiles == 0 and m.proof.order == ["batch=4", "batch=1"]
+    report = kiln.verify(spec_path, dest, order="grid", routes=("plain",))
+    assert report.ok, report.reasons()
+    keys = {b.key for b in report.buckets}
+    assert keys == {f"rank {r} · batch={n}" for r in (0, 1) for n in (1, 4)}
+    assert all(b.fx_hits >= 1 for b in report.buckets)
     # A spec for another world size is refused before anything runs.
-    spec_path.write_text(tp_spec("{world_size: 3, backend: gloo}").replace("64", "96"))
+    other = tmp_path / "tp3.yaml"
+    other.write_text(tp_spec("{world_size: 3, backend: gloo}").replace("64", "96"))
     with pytest.raises(KilnError, match="baked for 2 rank"):
-        kiln.verify(spec_path, dest)
+        kiln.verify(other, dest)
+
+
+@pytest.mark.slow  # a 2-rank bake (shared), then eager and kiln with 2 ranks each
+def test_bench_runs_every_rank(tp_benched) -> None:
+    """kiln bench of a 2-rank spec serves both ranks in each mode; the restored one compiles
+    nothing on either rank."""
+    _, _, report = tp_benched
+    for mode in ("eager", "kiln"):
+        keys = {b["key"] for b in report["modes"][mode]["buckets"]}
+        assert keys == {f"rank {r} · batch={n}" for r in (0, 1) for n in (1, 4)}, keys
+    assert report["modes"]["kiln"]["compiles"] == 0
 
 
 @pytest.mark.slow  # ~1.5 min on 2 cores: 2 kiln processes under torchrun, then a verify
@@ -892,18 +923,3 @@ def test_a_bundle_of_a_two_rank_artifact_restores_every_rank(tmp_path: Path) -> 
     assert {k for k in got if k.startswith("ranks/")} == {
         k for k in alone if k.startswith("ranks/")
     }
-
-
-@pytest.mark.slow  # ~3 min on 2 cores: a 2-rank bake, then eager and kiln with 2 ranks each
-def test_bench_runs_every_rank(tmp_path: Path) -> None:
-    """kiln bench of a 2-rank spec serves both ranks in each mode; the restored one compiles
-    nothing on either rank."""
-    import kiln
-
-    spec_path = tmp_path / "tp.yaml"
-    spec_path.write_text(tp_spec())
-    report = kiln.bench(spec_path, modes=("eager", "kiln")).to_dict()
-    for mode in ("eager", "kiln"):
-        keys = {b["key"] for b in report["modes"][mode]["buckets"]}
-        assert keys == {f"rank {r} · batch={n}" for r in (0, 1) for n in (1, 4)}, keys
-    assert report["modes"]["kiln"]["compiles"] == 0

@@ -35,7 +35,12 @@ def bench_cmd(
         min=1,
         help="Run each mode but cold N times (rotating order); report medians and the spread.",
     ),
-    workdir: Path = typer.Option(None, "--workdir", help="Keep artifacts and caches here."),
+    workdir: Path = typer.Option(
+        None,
+        "--workdir",
+        help="Keep artifacts and caches here; a later bench there reuses each bake that still "
+        "matches the spec, its model source and this machine.",
+    ),
     save: Path = typer.Option(None, "--save", help="Also write the JSON report to this file."),
     traffic: Path = typer.Option(
         None,

@@ -21,11 +21,19 @@ and serves that artifact, restored, as ``kiln.activate().compile()`` would: no D
 Inductor. The other modes then serve the spec on ``route: compile`` (a spec written for the
 AOT route is benched against its torch.compile counterpart), so one run compares both routes:
 time to ready, steady latency, and the two artifacts' sizes.
+
+With ``workdir``, the bakes stay in that folder, and a later bench there reuses each one that
+still matches (:func:`reusable_bake`: the same spec, model source and kiln version, the artifact
+unchanged, and ``kiln check``'s verdict on this machine: compatible) instead of baking again:
+the modes can then be run again, others added, or ``--repeat`` raised, for the price of the
+served runs alone. Every served run still gets a fresh folder.
 """
 
 from __future__ import annotations
 
 import functools
+import json
+import re
 import shutil
 import statistics
 import tempfile
@@ -35,12 +43,14 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from kiln._version import __version__
+from kiln.artifact.archive import read_manifest, sha256_file
 from kiln.artifact.manifest import WORK_KINDS, BucketStats
 from kiln.artifact.restore import restore
 from kiln.bytecode import uncached_reason
 from kiln.compiler.bake import BakeResult, bake
 from kiln.compiler.launch import WorkerRun, run_worker
-from kiln.compiler.protocol import WorkerRequest
+from kiln.compiler.protocol import WorkerRequest, WorkerResult
 from kiln.compiler.verify import first_process, made_for, rank_buckets, served_request
 from kiln.errors import Param, UsageError, Worded
 from kiln.events import EventSink, ModeStarted, ignore
@@ -61,6 +71,12 @@ MODES = ("eager", "cold", "kiln", "megacache", "copied")
 # kernels loaded in-process.
 EXTRA_MODES = ("kiln-blob", "kiln-serial", "aoti")
 _RESTORED = "restored"  # the folder of the work folder that bench restores the artifact into
+# What one bench run serves from in its work folder, each made afresh (a kept work folder's are
+# removed before the next bench there): the restore, the plain cold run's caches, and one
+# folder (with its HOME and TMPDIR) per served run.
+_RUN_FOLDER = re.compile(
+    rf"{_RESTORED}|cold|(eager|kiln|kiln-blob|kiln-serial|megacache|copied|aoti)-\d+(-home|-tmp)?"
+)
 ALL_MODES = (*MODES, *EXTRA_MODES)  # what bench() accepts, in report order
 
 
@@ -199,6 +215,8 @@ def bench(
     mode (all but ``cold``) that many times, interleaved in rotating order, and reports the run
     with the median time to ready plus every run's time: on a shared machine process start-up
     alone varies by seconds, and one run per mode cannot tell that apart from a real difference.
+    ``workdir`` keeps the bakes there, and reuses the ones a bench left there that still match
+    (the module docstring says when); the report's ``bake_reused`` says whether it did.
     """
     chosen = check_modes(modes)
     if repeat < 1:
@@ -209,11 +227,17 @@ def bench(
     work.mkdir(parents=True, exist_ok=True)
     aoti_spec = with_route(spec, "aoti") if "aoti" in chosen else None
     spec = with_route(spec, "compile")
+    reused: list[bool] = []
     try:
-        aoti_baked = _bake_aoti(aoti_spec, work, emit) if aoti_spec is not None else None
+        _clear_runs(work)
+        aoti_baked = (
+            _bench_bake(aoti_spec, work, _AOTI_BAKE, emit, reused)
+            if aoti_spec is not None
+            else None
+        )
         # --modes eager,aoti needs no torch.compile bake: the AOT one stands in for it
         only_aoti = aoti_baked is not None and set(chosen) <= {"eager", "aoti"}
-        baked = aoti_baked if only_aoti else _bake_for_bench(spec, work, emit)
+        baked = aoti_baked if only_aoti else _bench_bake(spec, work, _COMPILE_BAKE, emit, reused)
         assert baked is not None
         keys = [b.key for b in ordered(expand(spec), order, seed)]
         bench_ = _Bench(spec, work, baked, keys, emit, repeat, aoti_baked)
@@ -239,6 +263,7 @@ def bench(
                 "order": keys,
                 "cold_source": "separate plain run" if plain_cold else "bake pass 1",
                 "bytecode": uncached_reason(),  # what no restored cache wins back, if anything
+                **({"bake_reused": all(reused)} if workdir is not None else {}),
             },
         )
     finally:
@@ -260,27 +285,106 @@ def with_route(spec: Spec, route: str) -> Spec:
     return spec.model_copy(update={"compile": spec.compile.model_copy(update=update)})
 
 
-def _bake_aoti(spec: Spec, work: Path, emit: EventSink) -> BakeResult:
-    """The ``aoti`` mode's artifact: ``spec`` baked on the AOT route (its work folder kept, as
-    the torch.compile bake's is, for when it is the only bake)."""
-    emit(ModeStarted(mode="bake aoti"))
-    result = bake(
-        spec, work / "bench-aoti.kiln.tar.zst", keep_workdir=work / "aoti-workdir", on_event=emit
-    )
-    assert isinstance(result, BakeResult)  # a 1-rank spec (the route is single-rank)
-    return result
+@dataclass(frozen=True)
+class _BakeFiles:
+    """Where one of bench's bakes lives in its work folder, and its progress label."""
+
+    mode: str  # "bake" or "bake aoti"
+    artifact: str
+    workdir: str  # the bake's cache folder, kept: the stock modes start from it
+    record: str  # what reusing the bake needs that its manifest does not hold (its first pass)
+
+    def paths(self, work: Path) -> tuple[Path, Path, Path]:
+        return work / self.artifact, work / self.workdir, work / self.record
 
 
-def _bake_for_bench(spec: Spec, work: Path, emit: EventSink) -> BakeResult:
-    """The artifact every kiln mode restores, baked as ``kiln bake`` would; its work folder is
-    kept, since the stock modes start from the raw cache folder and blob it left."""
-    emit(ModeStarted(mode="bake"))
-    result = bake(
-        spec, work / "bench.kiln.tar.zst", keep_workdir=work / "bake-workdir", on_event=emit
-    )
+# The artifact every kiln mode restores, baked as ``kiln bake`` would; and the ``aoti`` mode's,
+# ``spec`` baked on the AOT route (its work folder kept too, for when it is the only bake).
+_COMPILE_BAKE = _BakeFiles("bake", "bench.kiln.tar.zst", "bake-workdir", "bench-bake.json")
+_AOTI_BAKE = _BakeFiles("bake aoti", "bench-aoti.kiln.tar.zst", "aoti-workdir", "bench-aoti.json")
+
+
+def _bench_bake(
+    spec: Spec, work: Path, files: _BakeFiles, emit: EventSink, reused: list[bool]
+) -> BakeResult:
+    """``spec`` baked into ``work`` as ``files`` names, or the bake a bench left there when it
+    still matches (:func:`reusable_bake`); ``reused`` gets whether it was."""
+    found = reusable_bake(spec, work, files)
+    reused.append(isinstance(found, BakeResult))
+    if isinstance(found, BakeResult):
+        emit(ModeStarted(mode=f"{files.mode}: reused from {work}"))
+        return found
+    artifact, kept, record = files.paths(work)
+    for stale in (record, artifact):
+        stale.unlink(missing_ok=True)
+    shutil.rmtree(kept, ignore_errors=True)
+    emit(ModeStarted(mode=files.mode))
+    result = bake(spec, artifact, keep_workdir=kept, on_event=emit)
     if not isinstance(result, BakeResult):  # a rank > 0 of a user's launch: rank 0 bakes it
         raise UsageError(f"{spec.name}: run kiln bench once, outside torchrun")
+    first = result.runs[0]
+    record.write_text(
+        json.dumps(
+            {
+                "sha256": result.sha256,
+                "wall_s": result.wall_s,
+                "first_pass": {
+                    "spawned": first.spawned,
+                    "ended": first.ended,
+                    "results": [r.model_dump(mode="json") for r in first.results],
+                },
+            }
+        )
+    )
     return result
+
+
+def reusable_bake(spec: Spec, work: Path, files: _BakeFiles = _COMPILE_BAKE) -> BakeResult | str:
+    """The bake a bench left in ``work`` (as ``files`` names it), when a bench of ``spec`` here
+    may serve it again: made from the same spec, model source and kiln version, the artifact
+    unchanged since, its kept cache folder there, and compatible with this machine as
+    ``kiln check`` judges it. Otherwise why not, in a few words."""
+    artifact, kept, record = files.paths(work)
+    if not (artifact.is_file() and kept.is_dir() and record.is_file()):
+        return "no bake in the work folder"
+    saved = json.loads(record.read_text())
+    manifest = read_manifest(artifact)
+    origin = spec.factory_origin()
+    source = sha256_file(origin) if origin and origin.is_file() else None
+    if manifest.spec_sha256 != spec.sha256():
+        return "baked from another spec"
+    if manifest.model_source_sha256 != source:
+        return "the model's source changed"
+    if manifest.kiln_version != __version__:
+        return f"baked by kiln {manifest.kiln_version}"
+    if sha256_file(artifact) != saved["sha256"]:
+        return "the artifact changed"
+    from kiln.compiler.check import check
+
+    report = check(artifact, rank=0 if spec.distributed else None)
+    if not report.ok:
+        return report.miss_message()
+    first = saved["first_pass"]
+    results = tuple(WorkerResult.model_validate(r) for r in first["results"])
+    run = WorkerRun(
+        results[0], first["spawned"], first["ended"], "", results if len(results) > 1 else ()
+    )
+    return BakeResult(
+        artifact=artifact,
+        sha256=saved["sha256"],
+        size=artifact.stat().st_size,
+        manifest=manifest,
+        wall_s=saved["wall_s"],
+        workdir=kept,
+        runs=[run],
+    )
+
+
+def _clear_runs(work: Path) -> None:
+    """Remove what an earlier bench's served runs left in ``work`` (only bench's own folders)."""
+    for path in work.iterdir():
+        if path.is_dir() and _RUN_FOLDER.fullmatch(path.name):
+            shutil.rmtree(path)
 
 
 @dataclass(frozen=True)
