@@ -79,7 +79,7 @@ class Forward:
     @property
     def miss_reason(self) -> str | None:
         """Why the last precompiled miss missed (the failing guard), where known."""
-        return getattr(self.precompiled, "miss_reason", None)
+        return self.precompiled.miss_reason if self.precompiled is not None else None
 
 
 class Meter:

@@ -408,7 +408,6 @@ class _Replayer:
         at = self.grid.lookup(bucket.as_dict())
         before, mark = CompileCounters.read(), self.dynamo.mark()
         missed = getattr(self.served, "misses", 0)
-        why = None
         pre = self.settle() if at is None else None
         self.sync()
         t0 = time.perf_counter()
@@ -419,8 +418,8 @@ class _Replayer:
         except OffGridError:
             out, latency = None, None
         traced = len(self.dynamo.frames_since(mark)) if self.frames else 0
-        if getattr(self.served, "misses", 0) > missed:
-            why = getattr(self.served, "miss_reason", None)
+        missed_now = getattr(self.served, "misses", 0) > missed
+        why = getattr(self.served, "miss_reason", None) if missed_now else None
         written: list[str] = []
         if pre is not None:  # off the grid: what it wrote is its own, not the grid's
             self.last = self.watch.snapshot()
