@@ -56,6 +56,7 @@ def test_long_tailed_lengths_through_llm_precompile_are_served_padded_with_0_com
     print("\npadding replay, llm-precompile, 1000 long-tailed lengths:")
     print(json.dumps({k: v for k, v in s.items() if k != "max_abs_diff"}, indent=2))
     print("padding", json.dumps(report.result.padding))
+    print("eager pass wrote", len(report.result.eager_new_files), report.result.eager_new_files[:3])
     assert s["in_grid"] == LENGTHS and s["off_grid"] == 0
     assert s["compiles_in_grid"] == 0 and s["new_files"] == 0, report.reasons()
     assert report.ok
