@@ -193,6 +193,8 @@ with torch.inference_mode():
         out["half"] = f"{type(exc).__name__}: {exc}"
 compiler = ("torch._dynamo", "torch._inductor")
 out["compiler"] = sorted(m for m in sys.modules if m.startswith(compiler))
+import ctypes  # libstdc++ global before a package opens (kiln.compiler.aoti_serve.share_libstdcxx)
+out["libstdcxx_global"] = hasattr(ctypes.CDLL(None), "_ZNSt6locale7classicEv")
 print(json.dumps(out))
 """
 
@@ -227,6 +229,7 @@ def test_served_process_imports_neither_dynamo_nor_inductor(aoti_baked) -> None:
     assert run.returncode == 0, run.stderr[-3000:]
     out = json.loads(run.stdout.strip().splitlines()[-1])
     assert out["compiler"] == []
+    assert out["libstdcxx_global"] is True  # torch alone leaves it local (see share_libstdcxx)
     assert out["same"] == [True, True]
     assert out["other"] is True  # external weights: the model's own are served
     assert out["off_grid"].startswith("OffGridError: no baked AOTInductor package takes these")

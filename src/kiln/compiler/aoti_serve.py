@@ -33,7 +33,9 @@ packages' options and the bake says so in the manifest's warnings.
 
 from __future__ import annotations
 
+import functools
 import logging
+import os
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -67,10 +69,37 @@ class _Program:
         return all(lo <= sizes[axis] <= hi for axis, (lo, hi) in ranges.items())
 
 
+@functools.cache
+def share_libstdcxx() -> bool:
+    """Put libstdc++ in the process's global symbol scope, before any package library opens.
+
+    Why: on torch 2.11's CUDA image of the GPU machines (g++ 13.3, the system libstdc++ 6.0.33
+    of GCC 14), every AOTInductor package, CPU or CUDA, kiln's or torch's own
+    ``aoti_load_package``, died with SIGSEGV in its constructor: ``std::regex`` in
+    ``parse_device_str`` fetched the wrong locale facet (cuda-gdb backtrace in
+    docs/benchmarks.md). torch opens its libraries ``RTLD_LOCAL``, so libstdc++ is not in the
+    global scope, and a package library opened later binds the libstdc++ symbols it defines
+    itself (``LD_DEBUG=bindings``: 1,277 locale and facet bindings to its own copies, 40 to
+    libstdc++) while libstdc++'s code uses its own. Opened ``RTLD_GLOBAL`` first (by soname, so
+    it is the copy torch already mapped), it is searched before the package: the same package
+    then loads and runs, whether torch was imported before or after (H100, measured); binding
+    the package to itself first (``RTLD_DEEPBIND``) still crashes. Nothing changes where the
+    runtime was global already. Returns whether it is global now (False off glibc)."""
+    import ctypes
+
+    try:
+        ctypes.CDLL("libstdc++.so.6", mode=os.RTLD_GLOBAL)
+    except (OSError, AttributeError):  # not glibc's loader (macOS, musl): nothing to share
+        return False
+    return True
+
+
 def runner_for(library: Path, device: str, device_index: int) -> Any:
     """torch's lowest-level AOTInductor runner on an extracted package's library: no zip, no
     temporary folder, no compiler (the kernel binaries sit beside the library)."""
     import torch
+
+    share_libstdcxx()
 
     if device == "cuda":
         return torch._C._aoti.AOTIModelContainerRunnerCuda(
