@@ -272,7 +272,8 @@ class WarmupSpec(_Strict):
         le=MAX_PASSES,
         description=(
             "fresh-process bake passes in different bucket orders; None: 1 for dynamic=false "
-            "without autotuning (static shapes are keyed per shape), else until a pass "
+            "without autotuning (static shapes are keyed per shape; 2 with precompiled "
+            "forwards, the second for plain torch.compile's entries), else until a pass "
             "compiles nothing (at most 4)"
         ),
     )

@@ -308,7 +308,12 @@ def _pass_count(spec: Spec, passes: int | None) -> tuple[int, bool]:
         and not spec.compile.autotunes
         and spec.compile.precompile_route != "frames"
     )
-    return (1 if settled else MAX_AUTO_PASSES), True
+    if not settled:
+        return MAX_AUTO_PASSES, True
+    # Precompiled forwards: the first pass saves them, and only a later pass (plain
+    # torch.compile) writes the entries a server on kiln.env looks up. One pass left those to
+    # the proof, which compiled them and re-baked: two processes more than a second pass.
+    return (2 if spec.compile.precompile_route == "aot" else 1), True
 
 
 @dataclass
