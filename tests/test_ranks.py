@@ -657,6 +657,7 @@ def test_verify_inside_someone_elses_launch_is_still_refused(
         run_worker(load_spec(spec_path), request, {})
 
 
+@pytest.mark.slow  # a fresh worker process (torch imported: ~4 s)
 def test_a_factory_without_rank_kwargs_is_the_specs_problem(tmp_path: Path) -> None:
     import kiln
 

@@ -611,6 +611,7 @@ def _limit_memory() -> None:
     resource.setrlimit(resource.RLIMIT_AS, (4 << 30, 4 << 30))
 
 
+@pytest.mark.slow  # a fresh worker process each (torch imported: ~4 s)
 @pytest.mark.parametrize(
     ("old", "new", "expected", "limited"),
     [
