@@ -41,6 +41,11 @@ def replay_view(console: Console, report: ReplayReport) -> None:
     )
     if s["max_abs_diff"] is not None:
         console.print(f"served vs unpadded eager, real slice: max |diff| {s['max_abs_diff']:.3g}")
+    if s["eager_new_files"]:  # not the served path's: a server makes no eager call
+        console.print(
+            f"the eager comparison wrote {s['eager_new_files']} file(s) (not counted against "
+            "serving; --json lists them)"
+        )
     if report.ok:
         console.print(f"[green]verified[/]: zero compiles over {s['in_grid']} in-grid requests")
     else:

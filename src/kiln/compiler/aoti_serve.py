@@ -84,12 +84,12 @@ def share_libstdcxx() -> bool:
     it is the copy torch already mapped), it is searched before the package: the same package
     then loads and runs, whether torch was imported before or after (H100, measured); binding
     the package to itself first (``RTLD_DEEPBIND``) still crashes. Nothing changes where the
-    runtime was global already. Returns whether it is global now (False off glibc)."""
+    runtime was global already. Returns whether it is global now (False where it cannot load)."""
     import ctypes
 
     try:
         ctypes.CDLL("libstdc++.so.6", mode=os.RTLD_GLOBAL)
-    except (OSError, AttributeError):  # not glibc's loader (macOS, musl): nothing to share
+    except (OSError, AttributeError):  # no such library (macOS), no RTLD_GLOBAL (Windows)
         return False
     return True
 

@@ -310,10 +310,16 @@ def _pass_count(spec: Spec, passes: int | None) -> tuple[int, bool]:
     )
     if not settled:
         return MAX_AUTO_PASSES, True
-    # Precompiled forwards: the first pass saves them, and only a later pass (plain
-    # torch.compile) writes the entries a server on kiln.env looks up. One pass left those to
-    # the proof, which compiled them and re-baked: two processes more than a second pass.
-    return (2 if spec.compile.precompile_route == "aot" else 1), True
+    # One pass left the plain route's entries of precompiled forwards to the proof, which
+    # compiled them and re-baked: two processes more than a second pass.
+    return _compiling_passes(spec), True
+
+
+def _compiling_passes(spec: Spec) -> int:
+    """The passes that compile by design: the first; with precompiled forwards (which it
+    saves) also the second, the first plain torch.compile, which writes the entries a server
+    on kiln.env looks up. A later pass that compiles is a process that would compile too."""
+    return 2 if spec.compile.precompile_route == "aot" else 1
 
 
 @dataclass
@@ -441,7 +447,7 @@ class _Baker:
             self._bytecode = self._write_bytecode()
             self._captured = (len(self.runs), _capture(self.spec, self.work))
         files, stored = self._captured[1]
-        warnings = _warnings(self.runs, self.pass_stats, proof, proof_warning)
+        warnings = _warnings(self.spec, self.runs, self.pass_stats, proof, proof_warning)
         runs, stats = self.runs, self.pass_stats
         # What a server must pass: the arguments the later passes (and the proof) compiled with,
         # derived once, on the request, not again from the spec.
@@ -688,13 +694,17 @@ def _frames(spec: Spec, first: WorkerRun, files: list[FileEntry]) -> Precompiled
 
 
 def _warnings(
-    runs: list[WorkerRun], pass_stats: list[PassStats], proof: ProofStats | None, failed: str
+    spec: Spec,
+    runs: list[WorkerRun],
+    pass_stats: list[PassStats],
+    proof: ProofStats | None,
+    failed: str,
 ) -> list[str]:
     """What a user must know before shipping: the proof's failure (or, unproven, a last pass
     that still compiled), and the graph breaks that depend on tensor data (serving data may
     reach frames the bake never saw)."""
     data_dependent = [b for b in _graph_breaks(runs) if b.data_dependent]
-    out = [failed] if failed else [] if proof else _unsettled(runs, pass_stats)
+    out = [failed] if failed else [] if proof else _unsettled(spec, runs, pass_stats)
     if data_dependent:
         sites = "; ".join(f"{b.where} ({b.reason})" for b in data_dependent[:5])
         more = f" and {len(data_dependent) - 5} more" if len(data_dependent) > 5 else ""
@@ -711,9 +721,10 @@ def _graph_breaks(runs: list[WorkerRun]) -> list[GraphBreak]:
     return merge_breaks([b for r in runs for b in r.result.graph_breaks], MAX_GRAPH_BREAKS)
 
 
-def _unsettled(runs: list[WorkerRun], pass_stats: list[PassStats]) -> list[str]:
-    """Say it when the last fresh-process pass still compiled: that pod would compile too."""
-    if len(pass_stats) < 2 or pass_stats[-1].compiles == 0:
+def _unsettled(spec: Spec, runs: list[WorkerRun], pass_stats: list[PassStats]) -> list[str]:
+    """Say it when the last fresh-process pass still compiled, past those that compile by
+    design (:func:`_compiling_passes`): that pod would compile too."""
+    if len(pass_stats) <= _compiling_passes(spec) or pass_stats[-1].compiles == 0:
         return []
     where = ", ".join(f"{b.key} ({b.compiles})" for b in runs[-1].result.buckets if b.compiles)
     return [

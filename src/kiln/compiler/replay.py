@@ -106,7 +106,8 @@ class ReplayResult(_Message):
     padding: dict[str, Any] = Field(default_factory=dict)
     eager_new_files: list[str] = Field(
         default_factory=list,
-        description="files the eager comparison pass wrote (a server makes no such call): "
+        description="files the eager comparison pass wrote (its eager calls, and the served "
+        "model called again for the output difference; a server makes no such calls): "
         "reported, never failing",
     )
 
@@ -174,6 +175,7 @@ class ReplayReport:
             "compiles_in_grid": sum(r.compiles for r in grid),
             "compiles_off_grid": sum(r.compiles for r in self.off_grid),
             "new_files": len(self.result.new_files),
+            "eager_new_files": len(self.result.eager_new_files),
             "waste": self.result.padding.get("waste"),
             "overhead_s": q(overhead),
             "latency_s": q(latency),

@@ -1,0 +1,49 @@
+"""How many fresh-process passes a bake runs, and when a last pass that compiled is a warning
+(unit: no process started; the bakes themselves are test_roundtrip's)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from kiln.artifact.manifest import PassStats
+from kiln.compiler.bake import _pass_count, _unsettled
+from kiln.compiler.launch import WorkerRun
+from kiln.compiler.protocol import WorkerResult
+from kiln.spec import Spec, load_spec
+from tests.conftest import mlp_spec
+
+PRECOMPILE = "  dynamic: false\n  fullgraph: true\n  precompile: true"
+
+
+def spec(tmp_path: Path, compile_lines: str = "  dynamic: false") -> Spec:
+    path = tmp_path / "spec.yaml"
+    path.write_text(mlp_spec().replace("  dynamic: false", compile_lines))
+    return load_spec(path)
+
+
+def passes(*compiles: int) -> tuple[list[WorkerRun], list[PassStats]]:
+    result = WorkerResult.model_construct(buckets=[])  # only the last pass's buckets are named
+    runs = [WorkerRun(result=result, spawned=0.0, ended=0.0, log="") for _ in compiles]
+    return runs, [PassStats(order=["batch=2"], compiles=n, wall_s=1.0) for n in compiles]
+
+
+def test_static_shapes_bake_one_pass_and_precompiled_forwards_two(tmp_path: Path) -> None:
+    assert _pass_count(spec(tmp_path), None) == (1, True)
+    # the forwards, then plain torch.compile's entries (one pass: the proof would re-bake)
+    assert _pass_count(spec(tmp_path, PRECOMPILE), None) == (2, True)
+    assert _pass_count(spec(tmp_path, PRECOMPILE), 3) == (3, False)  # asked for: as asked
+    assert _pass_count(spec(tmp_path, "  dynamic: null"), None) == (4, True)  # until quiet
+
+
+def test_a_compiling_last_pass_is_a_warning_past_the_passes_that_compile_by_design(
+    tmp_path: Path,
+) -> None:
+    plain, pre = spec(tmp_path), spec(tmp_path, PRECOMPILE)
+    assert _unsettled(plain, *passes(9)) == []  # one pass: nothing to judge by
+    (warning,) = _unsettled(plain, *passes(9, 2))
+    assert "after 2 fresh-process passes a new process still compiles 2 time(s)" in warning
+    # precompiled forwards: the second pass is plain torch.compile's first, and compiles
+    assert _unsettled(pre, *passes(9, 2)) == []
+    assert _unsettled(pre, *passes(9, 2, 0)) == []
+    (warning,) = _unsettled(pre, *passes(9, 2, 1))
+    assert "after 3 fresh-process passes" in warning
