@@ -444,8 +444,8 @@ class _Replayer:
         with contextlib.suppress(OffGridError):  # refused off the grid (on_miss error)
             _, latency = self._timed(self.served, kwargs)
         traced = len(self.dynamo.frames_since(mark)) if self.frames else 0
-        missed_now = getattr(self.served, "misses", 0) > missed
-        why = getattr(self.served, "miss_reason", None) if missed_now else None
+        misses = getattr(self.served, "misses", 0) - missed
+        why = getattr(self.served, "miss_reason", None) if misses else None
         written: list[str] = []
         if pre is not None:  # off the grid: what it wrote is its own, not the grid's
             self.last = self.watch.snapshot()
@@ -454,7 +454,7 @@ class _Replayer:
             CompileCounters.read() - before,
             written,
             served=True,
-            precompile_misses=getattr(self.served, "misses", 0) - missed + traced,
+            precompile_misses=misses + traced,
         )
         stats = getattr(self.served, "stats", None)
         return RequestRecord(
