@@ -589,6 +589,35 @@ def test_sigterm_to_a_users_torchrun_stops_every_rank_and_removes_the_work_folde
     assert not left, left
 
 
+def test_a_failed_lead_removes_nothing_before_a_running_followers_worker_is_dead(
+    tmp_path: Path,
+) -> None:
+    """After a failure, rank 0 leaves the work folder only once every follower that started a
+    worker for the last command has reported it dead; a follower that never started one is not
+    waited for. (The SIGTERM test above races this on a real launch.)"""
+    import threading
+    import time
+
+    from kiln.compiler import ranks, user_launch
+
+    rank0 = ranks.Rank(rank=0, local_rank=0, world_size=3)
+    started: dict[str, float] = {}
+
+    def follower_dies_late(folder: Path) -> None:
+        time.sleep(0.5)
+        started["dead"] = time.monotonic()
+        (folder / "done1").write_text("")
+
+    with pytest.raises(RuntimeError), user_launch.lead(tmp_path, rank0) as session:
+        session.issued = 1
+        folder = tmp_path / user_launch.COMMANDS / "0"
+        (folder / "rank1").mkdir(parents=True)  # rank 1 runs a worker; rank 2 never started one
+        threading.Thread(target=follower_dies_late, args=(folder,), daemon=True).start()
+        raise RuntimeError("SIGTERM")
+    assert time.monotonic() >= started["dead"]
+    assert (tmp_path / user_launch.END).read_text() == "failed"
+
+
 @pytest.mark.parametrize("rank", ["0", "1"])
 def test_a_launch_of_another_size_than_the_spec_is_exit_2_naming_both(
     tmp_path: Path, cli: Any, rank: str

@@ -49,6 +49,7 @@ TIMEOUT_S = 600.0  # how long a rank waits for another before it gives up
 PREFIX_VAR = "KILN_LAUNCH_PREFIX"  # the store prefix of one command's process group
 _POLL_S = 0.05
 _BYE_S = 30.0  # rank 0 waits this long for the others to see END before removing the folder
+_STOP_S = 10.0  # after a failure, this long for their workers to die (torchrun's grace: 30 s)
 # What a worker keeps of the launch's environment: how to reach the launch's store and who it is.
 _KEPT = ("MASTER_ADDR", "MASTER_PORT", "TORCHELASTIC_USE_AGENT_STORE", "TORCHELASTIC_RUN_ID")
 
@@ -149,9 +150,11 @@ def active() -> Session | None:
 @contextlib.contextmanager
 def lead(work: Path, rank: ranks.Rank) -> Iterator[Session]:
     """Rank 0, holding ``work``'s lock: announce the folder, issue commands, and on the way out
-    tell the others. After a success it gives them a moment to see it before the folder goes;
-    after a failure (SIGTERM included) it does not wait: rank 0's non-zero exit makes the
-    launcher stop the others, and its grace period is for removing the folder."""
+    tell the others. After a success it gives them a moment to see it before the folder goes.
+    After a failure (SIGTERM included) it waits only for the followers whose worker is still
+    running: the launcher stops every rank at once, and a follower's worker that outlives rank 0
+    by a few milliseconds would write into the folder while it is removed and leave part of it
+    behind. A follower reports ``doneR`` once its worker is dead (:func:`follow`)."""
     global _ACTIVE
     session = Session(work=work, rank=rank, ident=identity(), limit=timeout_s())
     _write(work / MARKER, session.ident)
@@ -163,10 +166,22 @@ def lead(work: Path, rank: ranks.Rank) -> Iterator[Session]:
     finally:
         _ACTIVE = None
         _write(work / END, outcome)
-        deadline = time.monotonic() + (_BYE_S if outcome == "ok" else 0.0)
-        byes = [work / f"launch.bye{r}" for r in range(1, rank.world_size)]
-        while not all(b.exists() for b in byes) and time.monotonic() < deadline:
+        if outcome == "ok":
+            waits, limit = [work / f"launch.bye{r}" for r in range(1, rank.world_size)], _BYE_S
+        else:
+            waits, limit = _running_followers(session), _STOP_S
+        deadline = time.monotonic() + limit
+        while not all(w.exists() for w in waits) and time.monotonic() < deadline:
             time.sleep(_POLL_S)
+
+
+def _running_followers(session: Session) -> list[Path]:
+    """The ``doneR`` files of the last command's followers that started a worker for it."""
+    if not session.issued:
+        return []
+    folder = session.work / COMMANDS / str(session.issued - 1)
+    world = session.rank.world_size
+    return [folder / f"done{r}" for r in range(1, world) if (folder / f"rank{r}").is_dir()]
 
 
 def worker_environment(env: Mapping[str, str], rank: ranks.Rank) -> dict[str, str]:
