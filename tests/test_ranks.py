@@ -204,6 +204,16 @@ def test_a_rank_manifest_validates_and_counts_its_copies() -> None:
         ),
         ({"copies": [{"path": "ranks/2/a.py", "source": "ranks/0/inductor/a.py"}]}, "no rank"),
         ({"copies": [{"path": "inductor/a.py", "source": "ranks/0/inductor/a.py"}]}, "no rank"),
+        # One bytecode tree at the root is the only thing outside the rank folders: a copy, or
+        # a file of another kind, there is refused.
+        (
+            {"copies": [{"path": "bytecode/x.cpython-311.pyc", "source": "ranks/0/inductor/a.py"}]},
+            "no rank",
+        ),
+        (
+            {"files": [_entry(p, d) for p, d in STORED.items()] + [_entry("bytecode/x", b"")]},
+            "no rank",
+        ),
         ({"files": [_entry("inductor/a.py", b"")]}, "not a stored file"),
         ({"megacache": "ranks/1/inductor/b.so"}, "rank 0's"),
     ],
@@ -910,23 +920,32 @@ def test_a_distributed_spec_shards_like_any_other(write_spec: Any) -> None:
 @pytest.mark.slow  # two 2-rank CPU bakes (unproven), a merge, a restore and a 2-rank verify
 def test_two_rank_shards_bake_merge_restore_and_verify(tmp_path: Path) -> None:
     """configs/tp-mlp-cpu.yaml baked as 2 shards of 2 ranks each (``--no-prove``: the verify
-    below is the proof), merged, restored at a new path: zero compiles on both ranks."""
+    below is the proof), merged, restored at a new path: zero compiles on both ranks. With
+    ``bytecode: always``: each shard ships one bytecode tree at the root for both ranks, and
+    the merge keeps one (the union)."""
     import kiln
 
-    spec_path = ROOT / "configs" / "tp-mlp-cpu.yaml"
+    text = (ROOT / "configs" / "tp-mlp-cpu.yaml").read_text()
+    spec_path = tmp_path / "tp-mlp-cpu.yaml"
+    spec_path.write_text(text.replace("../examples/", f"{ROOT}/examples/") + "bytecode: always\n")
     shards = []
     for index in (0, 1):
         out = tmp_path / f"shard-{index}.kiln.tar.zst"
         result = kiln.bake(spec_path, out, shard=f"{index}/2", prove=False)
         assert result.manifest.world_size == 2 and result.manifest.shard is not None
+        assert result.manifest.bytecode is not None and result.manifest.bytecode.modules > 100
         shards.append(out)
     merged = kiln.merge(shards[::-1], tmp_path / "merged.kiln.tar.zst")
     m = merged.manifest
     assert m.distributed is not None and m.shard is not None and m.shard.complete
+    pycs = [e.path for e in m.entries() if e.kind == "bytecode"]
+    assert m.bytecode is not None and m.bytecode.modules == len(pycs) > 100
+    assert all(p.startswith("bytecode/") for p in pycs)  # one tree, in no rank folder
     keys = ["batch=1", "batch=4", "batch=16"]
     assert all([s.key for s in r.grid] == keys for r in m.distributed.ranks)
     dest = tmp_path / "elsewhere" / "cache"
     kiln.restore(merged.artifact, dest, sha256=merged.sha256)
+    assert (dest / pycs[0]).is_file()
     report = kiln.verify(spec_path, dest, order="shuffle", seed=1, routes=("plain",))
     assert report.ok, report.reasons()
     assert {b.key for b in report.buckets} == {f"rank {r} · {k}" for r in (0, 1) for k in keys}

@@ -135,7 +135,7 @@ class CacheLayout:
 
     @property
     def bytecode(self) -> Path:
-        """The imported modules' bytecode (1-rank artifacts only: a rank's bake ships none)."""
+        """The imported modules' bytecode: one tree at the root, which every rank imports."""
         return self.root / BYTECODE_DIR
 
     @property

@@ -458,10 +458,6 @@ class Spec(_Strict):
                 ("compile", "precompile"),
                 "precompile: true with graph breaks (fullgraph: false) is single-rank for now",
             )
-        if self.bytecode == "always":
-            raise LocatedValueError(
-                ("bytecode",), "a multi-rank bake ships no Python bytecode (single-rank for now)"
-            )
         for key in RANK_KWARGS:
             if key in self.model.kwargs:
                 raise LocatedValueError(

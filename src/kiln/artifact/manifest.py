@@ -561,7 +561,9 @@ class Manifest(_Model):
         return [(CacheLayout(rank=r.rank).prefix, r.aoti) for r in self.distributed.ranks if r.aoti]
 
     def _check_ranks(self, paths: set[str]) -> None:
-        """A K-rank manifest is format 2 and keeps every file in one of its rank folders."""
+        """A K-rank manifest is format 2 and keeps every file in one of its rank folders, but
+        the Python bytecode: one tree of stored files under ``bytecode/`` that every rank
+        imports from (checked by :meth:`_bytecode_files`; a copy is never bytecode)."""
         if (self.distributed is not None or self.copies) and self.format < RANKS_FORMAT:
             raise ValueError(f"distributed and copies need format {RANKS_FORMAT}")
         if self.distributed is None:
@@ -569,7 +571,8 @@ class Manifest(_Model):
                 raise ValueError("copies are only for the ranks of a distributed artifact")
             return
         world = self.distributed.world_size
-        for path in sorted(paths):
+        shared = {e.path for e in self.files if e.kind == "bytecode"}
+        for path in sorted(paths - shared):
             rank = rank_of(path)
             if rank is None or rank >= world:
                 raise ValueError(

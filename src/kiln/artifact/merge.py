@@ -606,13 +606,16 @@ def _manifest(
     if distributed is not None:
         # Every file each rank has, stored once across ranks as a K-rank bake stores it.
         by_rank: list[list[FileEntry]] = [[] for _ in range(distributed.world_size)]
+        shared = [e for e in entries if e.kind == "bytecode"]  # one tree for every rank
         for entry in entries:
+            if entry.kind == "bytecode":
+                continue
             rank = rank_of(entry.path)
             if rank is None or rank >= distributed.world_size:
                 raise IntegrityError(f"{entry.path!r} is in no rank folder of the merged artifact")
             by_rank[rank].append(entry)
         stored = store_once(by_rank)
-        entries = stored.files
+        entries = stored.files + shared
         ranks = [
             r.model_copy(update={"same_as": same})
             for r, same in zip(distributed.ranks, stored.same_as, strict=True)

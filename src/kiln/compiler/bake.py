@@ -220,17 +220,17 @@ def _capture(spec: Spec, work: Path) -> tuple[list[FileEntry], Stored | None]:
     """The files of ``work``'s layout; for K ranks, each rank's under ``ranks/R/``, stored once
     where ranks share them (:func:`kiln.artifact.rank_copies.store_once`; the rest are copies)."""
     aoti = spec.compile.route == "aoti"  # the packages are the whole payload: no cache folder
+    top = CacheLayout(work)
+    shared = capture_bytecode(top.bytecode)  # one tree at the root, whatever the ranks
     if spec.distributed is None:
-        top = CacheLayout(work)
         files = capture_tree(top.aoti, AOTI_DIR) if aoti else capture(top.dir)
-        files += capture_bytecode(top.bytecode)  # the ranks' bakes ship none
-        return sorted(files, key=lambda e: e.path), None
+        return sorted(files + shared, key=lambda e: e.path), None
     by_rank = []
     for layout in CacheLayout.ranks(work, spec.world_size):
         entries = capture_tree(layout.aoti, AOTI_DIR) if aoti else capture(layout.dir)
         by_rank.append([e.model_copy(update={"path": layout.prefix + e.path}) for e in entries])
     stored = store_once(by_rank)
-    return stored.files, stored
+    return stored.files + shared, stored
 
 
 def _with_ranks(spec: Spec, manifest: Manifest, runs: list[WorkerRun], stored: Stored) -> Manifest:
@@ -287,8 +287,9 @@ def _sorted_grid(buckets: list[Any], like: list[Any]) -> list[Any]:
 def _ships_bytecode(spec: Spec) -> bool:
     """Whether this bake ships the imported modules' bytecode: asked for, or (``auto``) this
     image compiles torch from source at every start, so the serving image built from it likely
-    does too. One-process specs only: a rank serves from its own folder."""
-    if spec.distributed is not None or spec.bytecode == "never":
+    does too. A K-rank artifact ships one tree for every rank: the ranks import the same
+    modules from the same files."""
+    if spec.bytecode == "never":
         return False
     return spec.bytecode == "always" or bytecode.uncached_reason() is not None
 
