@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One device-machine call: install carried wheels, then run the GPU tests or the benchmarks.
 # Usage (on the GPU machine, from the repo root):
-#   scripts/gpu-run.sh [tests [PYTEST ARGS] | bench SPEC...]
+#   scripts/gpu-run.sh [tests [PYTEST ARGS] | aoti [PYTEST ARGS] | first-process SPEC... | bench SPEC...]
 # Wheels for what the machine lacks come from `make gpu-wheels` (carry .whl).
 # BENCH_MODES=eager,cold,kiln,megacache,copied,kiln-blob,kiln-serial picks bench modes;
 # BENCH_REPEAT=3 runs each served mode three times (medians with their range).
@@ -36,8 +36,52 @@ if [ "$what" = tests ]; then
   python3 -m pytest -q -m gpu -p no:cacheprovider -s tests/test_gpu.py "$@" 2>&1 | tee "$OUT/gpu-tests.log" | grep -vE "^\s*$" | tail -40
   exit "${PIPESTATUS[0]}"
 fi
+if [ "$what" = aoti ]; then  # issue 26: AOTInductor packages built, served and verified on CUDA
+  timeout "${BUDGET_S:-560}" python3 -m pytest -q -m gpu -p no:cacheprovider -s -rA \
+    tests/test_aoti_gpu.py "$@" > "$OUT/aoti-tests.log" 2>&1
+  rc=$?
+  grep -E "aoti serve|artifact bytes|passed|failed|Error|Fatal|Segmentation" "$OUT/aoti-tests.log" | tail -20
+  exit $rc
+fi
 # Start another spec only while at least MIN_LEFT_S of BUDGET_S remain (device calls are capped).
 BUDGET_S=${BUDGET_S:-560}; MIN_LEFT_S=${MIN_LEFT_S:-200}
+if [ "$what" = first-process ]; then
+  # Issue 25: each spec's first user process after a restore (tests/test_first_process_gpu.py),
+  # one pytest run per spec, cut at the budget. Each artifact baked lands in $OUT/SPEC/ for
+  # KILN_GPU_ARTIFACTS of the next call, when a spec's bake and tests do not fit one call.
+  # JOBS=2 runs two specs at once on the one GPU (the test counts work; its timings then are
+  # not comparable); five at once were too many to finish in one call.
+  first_process() {
+    local name left=$2 started=$SECONDS
+    name=$(basename "$1" .yaml)
+    KILN_GPU_SPECS=$1 KILN_GPU_OUT=$OUT/$name timeout "$left" python3 -m pytest -q -m gpu \
+      -p no:cacheprovider -s -rA tests/test_first_process_gpu.py > "$OUT/first-process-$name.log" 2>&1
+    echo "$name: exit $? in $((SECONDS - started)) s"
+    grep -E "^(PASSED|FAILED|ERROR|SKIPPED)|passed|failed" "$OUT/first-process-$name.log" | tail -6
+  }
+  for spec in "$@"; do
+    while [ "$(jobs -rp | wc -l)" -ge "${JOBS:-1}" ]; do wait -n; done
+    left=$((BUDGET_S - SECONDS))
+    if [ "$left" -lt "$MIN_LEFT_S" ]; then echo "skip $spec: ${SECONDS}s used"; continue; fi
+    first_process "$spec" "$left" &
+  done
+  wait
+  # The short table: what each first process did, per spec and order.
+  python3 - "$OUT" <<'PY'
+import json, pathlib, sys
+for f in sorted(pathlib.Path(sys.argv[1]).glob("*/first-process.jsonl")):
+    for line in f.read_text().splitlines():
+        r = json.loads(line)
+        if "order" in r:
+            print(f"{r['spec']:26} {r['order']:8} ro={r['read_only']!s:5} rc={r['rc']} "
+                  f"work={r['work']} benchmarks={r['benchmarks']} dest={r['dest']} "
+                  f"home={len(r['home'])} tmp={len(r['tmp'])}")
+        elif "verify" in r:
+            v = r["verify"]
+            print(f"{r['spec']:26} verify   ok={v.get('ok')} compiles={v.get('compiles')}")
+PY
+  exit 0
+fi
 for spec in "$@"; do
   name=$(basename "$spec" .yaml)
   if [ $((BUDGET_S - SECONDS)) -lt "$MIN_LEFT_S" ]; then echo "skip $name: ${SECONDS}s used"; continue; fi
