@@ -628,6 +628,26 @@ def test_a_failed_lead_removes_nothing_before_a_running_followers_worker_is_dead
     assert (tmp_path / user_launch.END).read_text() == "failed"
 
 
+def test_a_follower_starts_no_worker_and_writes_nothing_more_once_rank_0_failed(
+    tmp_path: Path,
+) -> None:
+    """A follower that finds a command's ``go`` but rank 0's failed END runs no worker, reports
+    the command done (rank 0 may be waiting for it), and writes no bye into the folder rank 0
+    is removing: its error is rank 0's failure."""
+    from kiln.compiler import ranks, user_launch
+
+    (tmp_path / user_launch.MARKER).write_text(user_launch.identity())
+    folder = tmp_path / user_launch.COMMANDS / "0"
+    folder.mkdir(parents=True)
+    (folder / "go").write_text("")  # no env.json, no request: reading them would fail
+    (tmp_path / user_launch.END).write_text("failed")
+    rank1 = ranks.Rank(rank=1, local_rank=1, world_size=2)
+    with pytest.raises(KilnError, match="rank 0's bake of tp-mlp failed"):
+        user_launch.follow(parse_spec(tp_spec()), rank1, tmp_path)
+    assert sorted(p.name for p in folder.iterdir()) == ["done1", "go", "rank1"]
+    assert not list(tmp_path.glob("launch.bye*"))
+
+
 @pytest.mark.parametrize("rank", ["0", "1"])
 def test_a_launch_of_another_size_than_the_spec_is_exit_2_naming_both(
     tmp_path: Path, cli: Any, rank: str

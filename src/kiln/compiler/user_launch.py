@@ -249,6 +249,36 @@ def _read(path: Path) -> str:
         return ""
 
 
+def _run_command(folder: Path, rank: ranks.Rank, work: Path) -> bool:
+    """Run this rank's worker of the command in ``folder``; False when rank 0 had already
+    ended. ``rankR`` is made before ``END`` is looked at, and rank 0 writes ``END`` before it
+    looks for ``rankR`` (:func:`_running_followers`): so either this rank starts no worker, or
+    rank 0 waits for its ``doneR``, which is written whatever happens once ``rankR`` exists."""
+    mine = folder / f"rank{rank.rank}"
+    try:
+        mine.mkdir()
+        if (work / END).exists():
+            return False
+        env = json.loads((folder / "env.json").read_text())
+        args = [str(own_request(folder, rank)), str(folder / f"outcome{rank.rank}.json")]
+        spawn(
+            mine,
+            worker_command(args),
+            worker_environment(env, rank),
+            ignore,
+            heartbeat_interval(),
+            None,
+        )
+        return True
+    except FileNotFoundError:  # the folder is gone: rank 0 ended, and removed it
+        return False
+    finally:
+        with contextlib.suppress(OSError):
+            (folder / f"stderr{rank.rank}.log").write_bytes((mine / "stderr.log").read_bytes())
+        with contextlib.suppress(OSError):
+            _write(folder / f"done{rank.rank}", "")
+
+
 def follow(spec: Spec, rank: ranks.Rank, work: Path) -> None:
     """Rank R > 0: wait for rank 0's work folder, run every command's worker for this rank,
     until rank 0 ends. Raises :class:`LaunchTimeout` when rank 0 stays silent too long, and a
@@ -268,28 +298,14 @@ def follow(spec: Spec, rank: ranks.Rank, work: Path) -> None:
             time.sleep(_POLL_S)
         if not (folder / "go").exists():
             break
-        env = json.loads((folder / "env.json").read_text())
-        args = [str(own_request(folder, rank)), str(folder / f"outcome{rank.rank}.json")]
-        mine = folder / f"rank{rank.rank}"
-        mine.mkdir()
-        try:
-            spawn(
-                mine,
-                worker_command(args),
-                worker_environment(env, rank),
-                ignore,
-                heartbeat_interval(),
-                None,
-            )
-        finally:
-            with contextlib.suppress(OSError):
-                (folder / f"stderr{rank.rank}.log").write_bytes((mine / "stderr.log").read_bytes())
-            _write(folder / f"done{rank.rank}", "")
+        if not _run_command(folder, rank, work):
+            break
         number += 1
-    ended = (work / END).read_text()
-    with contextlib.suppress(OSError):
-        _write(work / f"launch.bye{rank.rank}", "")
-    if ended != "ok":
+    ended = _read(work / END) or "failed"  # gone: rank 0 removed the folder after a failure
+    if ended == "ok":  # after a failure rank 0 is removing the folder: write nothing into it
+        with contextlib.suppress(OSError):
+            _write(work / f"launch.bye{rank.rank}", "")
+    else:
         raise KilnError(
             f"rank {rank.rank}: rank 0's bake of {spec.name} failed (its error says why)"
         )
