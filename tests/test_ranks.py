@@ -223,6 +223,22 @@ def test_hostile_rank_manifests_are_refused(changes: dict[str, Any], says: str) 
         Manifest.model_validate(rank_manifest(**changes))
 
 
+def test_a_rank_manifest_keeps_one_bytecode_tree_at_its_root_and_copies_none_of_it() -> None:
+    """A stored pyc under ``bytecode/`` is the one thing a K-rank manifest may keep outside its
+    rank folders; a copy of it into a rank folder (a pyc where Python never looks) is refused."""
+    from tests.archives import PYC_TAG, pyc
+
+    at, data, fields = pyc("/usr/lib/python3.12/json/decoder.py")
+    stored = [_entry(p, d) for p, d in sorted(STORED.items())]
+    stored.append({**_entry(at, data), **fields})
+    bytecode = {"python": PYC_TAG, "modules": 1}
+    m = Manifest.model_validate(rank_manifest(files=stored, bytecode=bytecode))
+    assert [e.path for e in m.entries() if e.is_bytecode] == [at]
+    copies = [*COPIES, {"path": "ranks/1/decoder.pyc", "source": at}]
+    with pytest.raises(ValidationError, match="its source is bytecode"):
+        Manifest.model_validate(rank_manifest(files=stored, bytecode=bytecode, copies=copies))
+
+
 def test_hostile_rank_layouts_are_refused() -> None:
     ranks = rank_manifest()["distributed"]["ranks"]
     for distributed in (

@@ -135,6 +135,11 @@ class FileEntry(_Model):
     source: str | None = Field(None, max_length=MAX_PATH_BYTES)
     source_hash: str | None = Field(None, pattern=r"^[0-9a-f]{16}$")
 
+    @property
+    def is_bytecode(self) -> bool:
+        """A pyc of the artifact's one bytecode tree: its kind and its place both say so."""
+        return self.kind == "bytecode" and self.path.startswith(f"{BYTECODE_DIR}/")
+
     @model_serializer(mode="wrap")
     def _without_unset_source(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:
         # Every other file has neither: left out, not written as null in each of them.
@@ -497,6 +502,8 @@ class Manifest(_Model):
         for copy in self.copies:
             if copy.source not in stored:
                 raise ValueError(f"copy {_shown(copy.path)}: its source is not a stored file")
+            if stored[copy.source].kind == "bytecode":  # a pyc lies only where Python looks
+                raise ValueError(f"copy {_shown(copy.path)}: its source is bytecode")
         total = self.total_bytes
         if total > MAX_TOTAL_BYTES:
             raise ValueError(f"files add up to {total} bytes (at most {MAX_TOTAL_BYTES})")
@@ -571,7 +578,7 @@ class Manifest(_Model):
                 raise ValueError("copies are only for the ranks of a distributed artifact")
             return
         world = self.distributed.world_size
-        shared = {e.path for e in self.files if e.kind == "bytecode"}
+        shared = {e.path for e in self.files if e.is_bytecode}
         for path in sorted(paths - shared):
             rank = rank_of(path)
             if rank is None or rank >= world:

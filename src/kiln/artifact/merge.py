@@ -606,9 +606,9 @@ def _manifest(
     if distributed is not None:
         # Every file each rank has, stored once across ranks as a K-rank bake stores it.
         by_rank: list[list[FileEntry]] = [[] for _ in range(distributed.world_size)]
-        shared = [e for e in entries if e.kind == "bytecode"]  # one tree for every rank
+        shared = [e for e in entries if e.is_bytecode]  # one tree for every rank
         for entry in entries:
-            if entry.kind == "bytecode":
+            if entry.is_bytecode:
                 continue
             rank = rank_of(entry.path)
             if rank is None or rank >= distributed.world_size:
