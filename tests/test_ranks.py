@@ -644,6 +644,24 @@ def test_a_failed_lead_removes_nothing_before_a_running_followers_worker_is_dead
     assert (tmp_path / user_launch.END).read_text() == "failed"
 
 
+def test_a_followers_running_worker_is_stopped_once_rank_0_ends(tmp_path: Path) -> None:
+    """Rank 0 failing on its own (a timeout: no signal reaches the followers) ends a follower's
+    running worker within a second, so rank 0's wait for its ``doneR`` is short."""
+    import threading
+    import time
+
+    from kiln.compiler import user_launch
+    from kiln.compiler.process import spawn
+
+    ended = tmp_path / user_launch.END
+    threading.Timer(0.3, ended.write_text, args=("failed",)).start()
+    t0 = time.monotonic()
+    command = [sys.executable, "-c", "import time; time.sleep(60)"]
+    with pytest.raises(user_launch.RankZeroEnded):
+        spawn(tmp_path, command, dict(os.environ), user_launch.until_ended(tmp_path), 0.5, None)
+    assert time.monotonic() - t0 < 5
+
+
 def test_a_follower_starts_no_worker_and_writes_nothing_more_once_rank_0_failed(
     tmp_path: Path,
 ) -> None:

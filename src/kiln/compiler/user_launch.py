@@ -34,10 +34,10 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from kiln.compiler import ranks
-from kiln.compiler.process import heartbeat_interval, read_outcome, spawn, worker_command
+from kiln.compiler.process import read_outcome, spawn, worker_command
 from kiln.compiler.protocol import WorkerOutcome, WorkerRequest
 from kiln.errors import KilnError, UsageError
-from kiln.events import EventSink, ignore
+from kiln.events import EventSink
 from kiln.serving import worker_env
 from kiln.spec import Spec
 
@@ -49,6 +49,7 @@ TIMEOUT_S = 600.0  # how long a rank waits for another before it gives up
 PREFIX_VAR = "KILN_LAUNCH_PREFIX"  # the store prefix of one command's process group
 _POLL_S = 0.05
 _BYE_S = 30.0  # rank 0 waits this long for the others to see END before removing the folder
+_WATCH_S = 0.5  # a follower looks for END this often while its worker runs
 _STOP_S = 10.0  # after a failure, this long for their workers to die (torchrun's grace: 30 s)
 # What a worker keeps of the launch's environment: how to reach the launch's store and who it is.
 _KEPT = ("MASTER_ADDR", "MASTER_PORT", "TORCHELASTIC_USE_AGENT_STORE", "TORCHELASTIC_RUN_ID")
@@ -249,6 +250,23 @@ def _read(path: Path) -> str:
         return ""
 
 
+class RankZeroEnded(Exception):
+    """Rank 0 ended while this rank's worker ran: it failed (it ends well only after every
+    rank's ``doneR``), and it removes the folder once this rank's worker is dead."""
+
+
+def until_ended(work: Path) -> EventSink:
+    """A follower's event sink, called on every event and every :data:`_WATCH_S` of silence:
+    raises :class:`RankZeroEnded` once rank 0 wrote ``END``, so that spawn kills the worker
+    at once (a failure of rank 0 alone, a timeout, sends no signal to the followers)."""
+
+    def sink(_event: object) -> None:
+        if (work / END).exists():
+            raise RankZeroEnded
+
+    return sink
+
+
 def _run_command(folder: Path, rank: ranks.Rank, work: Path) -> bool:
     """Run this rank's worker of the command in ``folder``; False when rank 0 had already
     ended. ``rankR`` is made before ``END`` is looked at, and rank 0 writes ``END`` before it
@@ -261,16 +279,10 @@ def _run_command(folder: Path, rank: ranks.Rank, work: Path) -> bool:
             return False
         env = json.loads((folder / "env.json").read_text())
         args = [str(own_request(folder, rank)), str(folder / f"outcome{rank.rank}.json")]
-        spawn(
-            mine,
-            worker_command(args),
-            worker_environment(env, rank),
-            ignore,
-            heartbeat_interval(),
-            None,
-        )
+        watch = until_ended(work)
+        spawn(mine, worker_command(args), worker_environment(env, rank), watch, _WATCH_S, None)
         return True
-    except FileNotFoundError:  # the folder is gone: rank 0 ended, and removed it
+    except (FileNotFoundError, RankZeroEnded):  # rank 0 ended (the folder may be gone)
         return False
     finally:
         with contextlib.suppress(OSError):
