@@ -36,15 +36,15 @@ if [ "$what" = tests ]; then
   python3 -m pytest -q -m gpu -p no:cacheprovider -s tests/test_gpu.py "$@" 2>&1 | tee "$OUT/gpu-tests.log" | grep -vE "^\s*$" | tail -40
   exit "${PIPESTATUS[0]}"
 fi
+# Every mode below stops within BUDGET_S; a spec starts only while MIN_LEFT_S of it remain.
+BUDGET_S=${BUDGET_S:-560}; MIN_LEFT_S=${MIN_LEFT_S:-200}
 if [ "$what" = aoti ]; then  # issue 26: AOTInductor packages built, served and verified on CUDA
-  timeout "${BUDGET_S:-560}" python3 -m pytest -q -m gpu -p no:cacheprovider -s -rA \
+  timeout "$BUDGET_S" python3 -m pytest -q -m gpu -p no:cacheprovider -s -rA \
     tests/test_aoti_gpu.py "$@" > "$OUT/aoti-tests.log" 2>&1
   rc=$?
   grep -E "aoti serve|artifact bytes|passed|failed|Error|Fatal|Segmentation" "$OUT/aoti-tests.log" | tail -20
   exit $rc
 fi
-# Start another spec only while at least MIN_LEFT_S of BUDGET_S remain (device calls are capped).
-BUDGET_S=${BUDGET_S:-560}; MIN_LEFT_S=${MIN_LEFT_S:-200}
 if [ "$what" = first-process ]; then
   # Issue 25: each spec's first user process after a restore (tests/test_first_process_gpu.py),
   # one pytest run per spec, cut at the budget. Each artifact baked lands in $OUT/SPEC/ for
