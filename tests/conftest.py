@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import fcntl
 import os
 import pickle
+import shutil
 import signal
 import subprocess
 import sys
@@ -138,6 +140,14 @@ def mlp_spec(name: str = "tiny-mlp", *, dynamic: str = "false", buckets: str = "
         "warmup: {calls: 2}",
     ]
     return "\n".join(lines) + "\n"
+
+
+def import_scratch(prefix: str) -> Path:
+    """A folder for what a test module builds at import, before any fixture can run (the
+    examples hypothesis draws from), removed when this test process exits."""
+    folder = Path(tempfile.mkdtemp(prefix=prefix))
+    atexit.register(shutil.rmtree, folder, ignore_errors=True)
+    return folder
 
 
 @pytest.fixture

@@ -44,7 +44,7 @@ from tests.archives import (
     variant_archive,
     write_bundle_raw,
 )
-from tests.conftest import hard_limit, limited_cli
+from tests.conftest import hard_limit, import_scratch, limited_cli
 from tests.test_manifest_fuzz import (
     _DEEP,
     FUZZ,
@@ -72,7 +72,7 @@ def _variants(root: Path) -> dict[str, tuple[bytes, dict[str, Any]]]:
     return {"cpu": (cpu, CPU_KEY), "h200": (gpu, GPU_KEY)}
 
 
-VARIANTS = _variants(Path(tempfile.mkdtemp(prefix="kiln-fuzz-")))
+VARIANTS = _variants(import_scratch("kiln-fuzz-"))
 MEMBERS = [reg(f"variants/{n}.kiln.tar.zst", d) for n, (d, _) in sorted(VARIANTS.items())]
 
 
@@ -136,7 +136,7 @@ def test_mutated_index(workdir: Path, data: dict[str, Any]) -> None:
 
 
 def _valid_bundle_tar() -> bytes:
-    tmp = Path(tempfile.mkdtemp(prefix="kiln-fuzz-"))
+    tmp = import_scratch("kiln-fuzz-")
     art = write_bundle_raw(tmp / "b.kiln.tar.zst", bundle_index_for(VARIANTS), MEMBERS)
     return zstandard.ZstdDecompressor().stream_reader(io.BytesIO(art.read_bytes())).read()
 
@@ -180,7 +180,7 @@ def test_gpu_parsers_on_any_output(text: str) -> None:
 LIMITED = settings(FUZZ, max_examples=int(_DEEP or 15))  # a process per example
 
 
-INSTALLED = Path(tempfile.mkdtemp(prefix="kiln-fuzz-")) / "installed"
+INSTALLED = import_scratch("kiln-fuzz-") / "installed"
 kiln.restore(good_archive(INSTALLED.with_suffix(".zst"), {"inductor/old": b"old"}), INSTALLED)
 
 

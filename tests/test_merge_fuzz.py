@@ -29,7 +29,7 @@ from hypothesis import strategies as st
 
 from kiln.artifact.archive import read_manifest
 from tests.archives import reg, write_archive
-from tests.conftest import limited_cli, mlp_spec
+from tests.conftest import import_scratch, limited_cli, mlp_spec
 from tests.test_manifest_fuzz import mutated_bytes, odd_values
 from tests.test_merge import shard_artifact
 
@@ -43,7 +43,7 @@ LIMITED = settings(
 )
 EXITS = (0, 2, 3, 5)  # ok, usage, integrity, incompatible: README "Exit codes"
 
-ROOT = Path(tempfile.mkdtemp(prefix="kiln-merge-fuzz-"))
+ROOT = import_scratch("kiln-merge-fuzz-")
 SPEC = ROOT / "spec.yaml"
 SPEC.write_text(mlp_spec())  # 3 buckets: shards 0/2 and 1/2
 
