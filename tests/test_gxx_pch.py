@@ -1,0 +1,51 @@
+"""The run's g++ (tests/tools/gxx_pch.py): which builds it precompiles the prefix header for."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch.utils.cpp_extension
+
+from tests.tools.gxx_pch import INCLUDE, kernel_build
+
+TORCH_INCLUDE = torch.utils.cpp_extension.include_paths()[0]
+
+
+def _command(source: Path) -> list[str]:
+    """An Inductor CPU kernel build as torch 2.13 words it (one call compiles and links)."""
+    return [
+        str(source),
+        "-D",
+        "CPU_CAPABILITY_AVX2",
+        "-O3",
+        "-shared",
+        "-fPIC",
+        f"-I{TORCH_INCLUDE}",
+        "-mavx2",
+        "-o",
+        str(source.with_suffix(".so")),
+        "-ltorch",
+        "-L/opt/lib",
+        "-Wl,-rpath,/opt/lib",
+    ]
+
+
+def test_a_kernel_build_gets_its_compile_options_and_the_headers_root(tmp_path: Path) -> None:
+    kernel = tmp_path / "ck.main.cpp"
+    kernel.write_text(f'\n{INCLUDE}\nextern "C" void kernel() {{}}\n')
+    options, root = kernel_build(_command(kernel)) or ([], None)
+    assert options == ["-D", "CPU_CAPABILITY_AVX2", "-O3", "-fPIC", f"-I{TORCH_INCLUDE}", "-mavx2"]
+    assert root == Path(TORCH_INCLUDE)
+
+
+def test_other_commands_go_to_g_plus_plus_as_they_are(tmp_path: Path) -> None:
+    probe = tmp_path / "probe.cpp"  # an ISA probe: another first include
+    probe.write_text("#include <immintrin.h>\n" + INCLUDE + "\n")
+    assert kernel_build(_command(probe)) is None
+    assert kernel_build(["--version"]) is None
+    assert kernel_build([]) is None
+    kernel = tmp_path / "ck.main.cpp"
+    kernel.write_text(INCLUDE + "\n")
+    assert kernel_build([*_command(kernel), str(tmp_path / "other.cpp")]) is None  # two sources
+    no_torch = [a for a in _command(kernel) if not a.startswith("-I")]
+    assert kernel_build(no_torch) is None  # the header is nowhere on the include path
