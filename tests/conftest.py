@@ -45,12 +45,13 @@ os.environ.setdefault("TORCHINDUCTOR_VEC_ISA_OK", "1")
 # Parsing torch's vector headers is almost all of each C++ kernel build on the CPU (1.85 s of
 # 1.9 s here) and the suite builds ~200: the run's g++ (tests/tools/gxx_pch.py, first on PATH)
 # compiles them against a precompiled copy of the header, built once per set of options into
-# the test venv (`make clean` removes it; outside a venv, the run compiles as torch does).
+# the test venv (`make clean` removes it; outside a venv, or without a python3 on PATH to run
+# it, the run compiles as torch does).
 # KILN_TEST_PCH=0 turns it off. Inductor's command lines, cache keys and kernel code stay as
 # they are. docs/development.md has the figures.
 PCH_DIR = Path(sys.prefix) / "kiln-test-pch"
 in_venv = sys.prefix != sys.base_prefix and os.access(sys.prefix, os.W_OK)
-if os.environ.get("KILN_TEST_PCH", "1") != "0" and in_venv:
+if os.environ.get("KILN_TEST_PCH", "1") != "0" and in_venv and shutil.which("python3"):
     os.environ.setdefault("KILN_TEST_PCH_DIR", str(PCH_DIR))
     tools = str(ROOT / "tests" / "tools")
     if tools not in os.environ["PATH"].split(os.pathsep):

@@ -2,13 +2,17 @@
 
 from __future__ import annotations
 
+import os
+import subprocess
 from pathlib import Path
 
 import torch.utils.cpp_extension
 
+from tests.conftest import ROOT
 from tests.tools.gxx_pch import INCLUDE, kernel_build
 
 TORCH_INCLUDE = torch.utils.cpp_extension.include_paths()[0]
+TOOLS = ROOT / "tests" / "tools"
 
 
 def _command(source: Path) -> list[str]:
@@ -47,5 +51,20 @@ def test_other_commands_go_to_g_plus_plus_as_they_are(tmp_path: Path) -> None:
     kernel = tmp_path / "ck.main.cpp"
     kernel.write_text(INCLUDE + "\n")
     assert kernel_build([*_command(kernel), str(tmp_path / "other.cpp")]) is None  # two sources
+    assert kernel_build([*_command(kernel), "-include", "pre.h"]) is None  # another prefix
     no_torch = [a for a in _command(kernel) if not a.startswith("-I")]
     assert kernel_build(no_torch) is None  # the header is nowhere on the include path
+
+
+def test_the_real_compiler_says_the_same_of_itself(tmp_path: Path) -> None:
+    """``g++ -v`` is part of Inductor's ISA-probe keys: through the stand-in it prints what the
+    real compiler prints (started as ``g++``, the stand-in's folder off ``PATH``)."""
+    env = {k: v for k, v in os.environ.items() if k != "KILN_TEST_PCH_DIR"}
+    plain = [p for p in env["PATH"].split(os.pathsep) if Path(p or ".").resolve() != TOOLS]
+    real = {**env, "PATH": os.pathsep.join(plain)}
+    shim = {**env, "PATH": os.pathsep.join([str(TOOLS), *plain])}
+    said = [
+        subprocess.run(["g++", "-v"], env=e, capture_output=True, text=True, check=True).stderr
+        for e in (real, shim)
+    ]
+    assert said[0] == said[1] and "COLLECT_GCC=g++" in said[0]
