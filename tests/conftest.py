@@ -42,6 +42,7 @@ os.environ.setdefault("OMP_NUM_THREADS", "1")
 # check`'s kept probes) serve with the probes real: ``real_isa_probes`` below.
 os.environ.setdefault("TORCHINDUCTOR_VEC_ISA_OK", "1")
 
+
 # Parsing torch's vector headers is almost all of each C++ kernel build on the CPU (1.85 s of
 # 1.9 s here) and the suite builds ~200: the run's g++ (tests/tools/gxx_pch.py, first on PATH)
 # compiles them against a precompiled copy of the header, built once per set of options into
@@ -49,13 +50,17 @@ os.environ.setdefault("TORCHINDUCTOR_VEC_ISA_OK", "1")
 # it, the run compiles as torch does).
 # KILN_TEST_PCH=0 turns it off. Inductor's command lines, cache keys and kernel code stay as
 # they are. docs/development.md has the figures.
-PCH_DIR = Path(sys.prefix) / "kiln-test-pch"
-in_venv = sys.prefix != sys.base_prefix and os.access(sys.prefix, os.W_OK)
-if os.environ.get("KILN_TEST_PCH", "1") != "0" and in_venv and shutil.which("python3"):
-    os.environ.setdefault("KILN_TEST_PCH_DIR", str(PCH_DIR))
+def _use_the_runs_gxx() -> None:
+    in_venv = sys.prefix != sys.base_prefix and os.access(sys.prefix, os.W_OK)
+    if os.environ.get("KILN_TEST_PCH", "1") == "0" or not in_venv or not shutil.which("python3"):
+        return
+    os.environ.setdefault("KILN_TEST_PCH_DIR", str(Path(sys.prefix) / "kiln-test-pch"))
     tools = str(ROOT / "tests" / "tools")
     if tools not in os.environ["PATH"].split(os.pathsep):
         os.environ["PATH"] = os.pathsep.join([tools, os.environ["PATH"]])
+
+
+_use_the_runs_gxx()
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
