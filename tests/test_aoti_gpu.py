@@ -86,7 +86,9 @@ def test_bake_packages_cuda_kernels_without_weights(aoti_gpu) -> None:
     m = result.manifest
     assert m.aoti is not None and m.aoti.device == "cuda" and len(m.aoti.programs) == 4
     assert m.proof is not None and m.proof.compiles == 0
-    assert {f.kind for f in m.files} == {"aoti"}
+    # The packages, and the driver's JIT cache of what the runner's calls JIT-compiled.
+    kinds = {f.kind for f in m.files}
+    assert "aoti" in kinds and kinds <= {"aoti", "driver"}
     assert m.aoti.constants["head.weight"].dtype == "bfloat16"
     print("\naoti artifact bytes:", result.size, "files:", len(m.files))
 
@@ -103,8 +105,10 @@ def test_served_on_the_gpu_without_dynamo_inductor_or_triton(aoti_gpu) -> None:
 def test_verify_passes_on_the_gpu(aoti_gpu, cli) -> None:
     spec, restored, _ = aoti_gpu
     run = cli("verify", spec, "--cache", restored, "--json")
-    assert run.returncode == 0, run.stderr[-3000:]
     report = json.loads(run.stdout)
+    # Where each written file is (DIR/, HOME/ or TMPDIR/ and its whole path), on a failure.
+    written = {b["key"]: b["new_files"] for b in report["buckets"] if b["new_files"]}
+    assert run.returncode == 0, f"{run.stderr[-2000:]}\n{written}"
     assert report["route"] == "aoti" and report["compiles"] == 0
     assert report["compiler_modules"] == []
 

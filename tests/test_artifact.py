@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from kiln.artifact.archive import read_manifest, write_artifact
-from kiln.compiler.capture import cache_kind, capture
+from kiln.compiler.capture import cache_kind, capture, capture_aoti
 from kiln.errors import IntegrityError, NotFoundError
 
 
@@ -54,6 +54,18 @@ def test_capture_skips_locks_and_temp_and_classifies(tmp_path: Path) -> None:
     assert {e.path: e.kind for e in entries}["inductor/xy/kernel.so"] == "native"
     assert cache_kind("megacache.bin") == "megacache"
     assert cache_kind("inductor/fxgraph/x") == "fxgraph"
+
+
+def test_an_aoti_capture_is_the_packages_and_the_drivers_jit_cache(tmp_path: Path) -> None:
+    make_cache(tmp_path)  # an Inductor cache and a Mega-Cache blob: not the route's payload
+    package = tmp_path / "aoti" / "batch1"
+    package.mkdir(parents=True)
+    (package / "model.so").write_bytes(b"\x7fELF")
+    jit = tmp_path / "cuda-cache" / "5" / "2"
+    jit.mkdir(parents=True)
+    (jit / "52f4d0cc2b6e19").write_bytes(b"sass")
+    kinds = {e.path: e.kind for e in capture_aoti(tmp_path)}
+    assert kinds == {"aoti/batch1/model.so": "aoti", "cuda-cache/5/2/52f4d0cc2b6e19": "driver"}
 
 
 def pack(tmp_path: Path, out: Path) -> tuple[str, int]:

@@ -56,7 +56,7 @@ from kiln.artifact.payload import payload_sha256
 from kiln.artifact.rank_copies import Stored, store_once
 from kiln.compiler import user_launch
 from kiln.compiler.aoti_bake import dropped_cudagraphs
-from kiln.compiler.capture import capture, capture_bytecode, capture_tree
+from kiln.compiler.capture import capture, capture_aoti, capture_bytecode
 from kiln.compiler.dynamo_log import merge_breaks
 from kiln.compiler.launch import WorkerRun, run_worker
 from kiln.compiler.protocol import AotiBuild, WorkerRequest, input_stream
@@ -73,7 +73,7 @@ from kiln.events import (
     ignore,
 )
 from kiln.grid import Bucket, Shard, expand, ordered, rotations, shard_grid
-from kiln.layout import AOTI_DIR, CacheLayout
+from kiln.layout import CacheLayout
 from kiln.serving import (
     DEFAULT_ON_MISS,
     SERVING_ENV,
@@ -219,15 +219,15 @@ def _baked_buckets(spec: Spec, sliced: Shard | None) -> list[Bucket]:
 def _capture(spec: Spec, work: Path) -> tuple[list[FileEntry], Stored | None]:
     """The files of ``work``'s layout; for K ranks, each rank's under ``ranks/R/``, stored once
     where ranks share them (:func:`kiln.artifact.rank_copies.store_once`; the rest are copies)."""
-    aoti = spec.compile.route == "aoti"  # the packages are the whole payload: no cache folder
+    aoti = spec.compile.route == "aoti"  # packages and the driver's JIT cache: no Inductor cache
     top = CacheLayout(work)
     shared = capture_bytecode(top.bytecode)  # one tree at the root, whatever the ranks
     if spec.distributed is None:
-        files = capture_tree(top.aoti, AOTI_DIR) if aoti else capture(top.dir)
+        files = capture_aoti(top.dir) if aoti else capture(top.dir)
         return sorted(files + shared, key=lambda e: e.path), None
     by_rank = []
     for layout in CacheLayout.ranks(work, spec.world_size):
-        entries = capture_tree(layout.aoti, AOTI_DIR) if aoti else capture(layout.dir)
+        entries = capture_aoti(layout.dir) if aoti else capture(layout.dir)
         by_rank.append([e.model_copy(update={"path": layout.prefix + e.path}) for e in entries])
     stored = store_once(by_rank)
     return stored.files + shared, stored

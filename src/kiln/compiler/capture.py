@@ -90,6 +90,16 @@ def capture(folder: Path) -> list[FileEntry]:
     return sorted(entries, key=lambda e: e.path)
 
 
+def capture_aoti(folder: Path) -> list[FileEntry]:
+    """File entries for ``compile.route: aoti`` at ``folder``: the extracted packages and the
+    CUDA driver's JIT cache, no Inductor cache (a served process never compiles). The runner's
+    calls still reach library kernels that ship as PTX for this GPU (H100, the tiny GPT of
+    tests/test_aoti_gpu.py: two driver JIT entries at the first call of each sequence length),
+    which every new pod would JIT-compile again (:data:`~kiln.layout.CUDA_CACHE_DIR`)."""
+    layout = CacheLayout(folder)
+    return capture_tree(layout.aoti, AOTI_DIR) + capture_tree(layout.cuda_cache, CUDA_CACHE_DIR)
+
+
 def capture_tree(folder: Path, stored_as: str) -> list[FileEntry]:
     """File entries for ``folder`` (when it exists), stored under ``stored_as/``."""
     return _tree(folder, stored_as) if folder.is_dir() else []
