@@ -325,6 +325,27 @@ def test_an_unmergeable_megacache_is_dropped_with_a_warning(
     assert any("different 'autotune' artifacts" in w for w in result.manifest.warnings)
 
 
+def test_the_driver_jit_cache_ships_whole_from_one_shard(tmp_path: Path, spec_path: Path) -> None:
+    """Each shard's driver rewrote its one ``index``: the first shard's cache ships, whole."""
+    caches = [
+        {"cuda-cache/index": b"index 0", "cuda-cache/a/2/daf144f9da5951": b"sass 0"},
+        {"cuda-cache/index": b"index 1", "cuda-cache/7/3/d687fb890292ee": b"sass 1"},
+        {},
+    ]
+    shards = [shard_artifact(tmp_path, spec_path, i, 3, files=caches[i]) for i in range(3)]
+    merged = merge(list(reversed(shards)), tmp_path / "m.kiln.tar.zst")
+    shipped = {f.path for f in merged.manifest.files if f.path.startswith("cuda-cache/")}
+    assert shipped == set(caches[0])
+    (line,) = [w for w in merged.warnings if "cuda-cache/" in w]
+    assert line.startswith("cuda-cache/ of shard-1.kiln.tar.zst left out")
+    assert line in merged.manifest.warnings
+    # Anywhere else, two files at one path still conflict.
+    clash = shard_artifact(tmp_path, spec_path, 1, 3, files={"cuda-cachex": b"1"}, name="x1")
+    other = shard_artifact(tmp_path, spec_path, 0, 3, files={"cuda-cachex": b"0"}, name="x0")
+    with pytest.raises(IntegrityError, match="'cuda-cachex' differs"):
+        merge([other, clash, shards[2]], tmp_path / "n.kiln.tar.zst")
+
+
 def test_the_shards_python_bytecode_merges_into_one_tree(tmp_path: Path, spec_path: Path) -> None:
     """Each shard ships the bytecode its own passes imported: the merge serves their union."""
     pycs = {m: pyc(f"/usr/lib/python3.12/{m}.py", f"{m} = 1\n".encode()) for m in "abc"}

@@ -11,7 +11,10 @@ Everything is decided from the manifests before a byte of payload is unpacked:
 - shards of one count, each index once, each bucket from one shard (exit 2), and every index
   there unless ``partial`` (exit 2: a release missing buckets would compile in production);
 - two different files at one path is exit 3, naming the path and both artifacts: the shards
-  did not bake the same thing (another torch or compiler, another cache root, see below).
+  did not bake the same thing (another torch or compiler, another cache root, see below). The
+  CUDA driver's JIT cache (``cuda-cache/``) is the exception: not content addressed (one
+  ``index`` per folder, rewritten by every process that adds an entry), it is taken whole from
+  the first shard that has one, and the merge warns that the others' were left out.
 
 The inputs are untrusted like any artifact: each is unpacked by the restore path's extractor
 (:func:`kiln.artifact.extract.extract`: the manifest is the allow-list, every size and sha256
@@ -64,7 +67,7 @@ from kiln.errors import IncompatibleError, IntegrityError, Param, UsageError, Wo
 from kiln.events import EventSink, Packed, Packing, ignore
 from kiln.factors import compare, misses
 from kiln.grid import assign_shards, expand
-from kiln.layout import MEGACACHE_NAME, CacheLayout, rank_of
+from kiln.layout import CUDA_CACHE_DIR, MEGACACHE_NAME, RANKS_DIR, CacheLayout, rank_of
 from kiln.spec import Spec
 
 # Manifest fields one spec determines: shards that differ in one were not baked from one spec.
@@ -142,8 +145,8 @@ def merge(
     inputs, shard, missing = _shards(inputs, spec, partial)
     grid = _grid(inputs, spec)
     rank_grids = [_grid(inputs, spec, rank) for rank in range(world)] if world > 1 else []
-    files, shared = _files(inputs)
-    warnings = _warnings(inputs, shard, missing, spec)
+    files, shared, left_out = _files(inputs)
+    warnings = _warnings(inputs, shard, missing, spec) + _left_out_lines(left_out)
     out.parent.mkdir(parents=True, exist_ok=True)
     stage = Path(tempfile.mkdtemp(prefix=".kiln-merge-", dir=out.parent))
     try:
@@ -350,18 +353,30 @@ def _blob_paths(manifest: Manifest) -> set[str]:
     return {p for p in blobs if p is not None}
 
 
-def _files(inputs: list[_Input]) -> tuple[dict[str, tuple[FileEntry, int]], int]:
-    """path → (entry, index of the input it is taken from); and how many were shared.
+def _files(
+    inputs: list[_Input],
+) -> tuple[dict[str, tuple[FileEntry, int]], int, dict[str, list[str]]]:
+    """path → (entry, index of the input it is taken from); how many were shared; and for
+    each driver cache folder, the inputs whose copy of it was left out.
     Identical files are stored once; two different files at one path, whatever kind the
     manifests claim, or a file at a path another shard has as a folder, is exit 3. A K-rank
     shard's copies count as the files they are (restore's extractor writes them): which of
-    the union are stored and which copied is decided again for the merged artifact."""
+    the union are stored and which copied is decided again for the merged artifact. A driver
+    cache folder (:func:`_driver_cache`) comes whole from the first input that has it."""
     chosen: dict[str, tuple[FileEntry, int]] = {}
     shared = 0
+    owner: dict[str, int] = {}  # driver cache folder -> the input it is taken from
+    left_out: dict[str, list[str]] = {}
     for index, item in enumerate(inputs):
         blobs = _blob_paths(item.manifest)
         for entry in item.manifest.entries():
             if entry.path in blobs:
+                continue
+            folder = _driver_cache(entry.path)
+            if folder is not None and owner.setdefault(folder, index) != index:
+                names = left_out.setdefault(folder, [])
+                if item.path.name not in names:
+                    names.append(item.path.name)
                 continue
             if entry.path in chosen:
                 first, where = chosen[entry.path]
@@ -376,7 +391,26 @@ def _files(inputs: list[_Input]) -> tuple[dict[str, tuple[FileEntry, int]], int]
                 continue
             chosen[entry.path] = (entry, index)
     _one_layout(inputs)
-    return dict(sorted(chosen.items())), shared
+    return dict(sorted(chosen.items())), shared, left_out
+
+
+def _driver_cache(path: str) -> str | None:
+    """The CUDA driver's JIT cache folder ``path`` is in (``cuda-cache/``, or a rank's
+    ``ranks/R/cuda-cache/``), or None."""
+    prefix = f"{RANKS_DIR}/{rank}/" if (rank := rank_of(path)) is not None else ""
+    if path.startswith(f"{prefix}{CUDA_CACHE_DIR}/"):
+        return f"{prefix}{CUDA_CACHE_DIR}/"
+    return None
+
+
+def _left_out_lines(left_out: dict[str, list[str]]) -> list[str]:
+    """One warning per driver cache folder that only one shard's copy of could ship."""
+    return [
+        f"{folder} of {', '.join(names)} left out: the CUDA driver's JIT cache is one index "
+        "per folder and ships whole from one shard; a served process JIT-compiles what the "
+        "others held (verify counts it)"
+        for folder, names in left_out.items()
+    ]
 
 
 def _one_layout(inputs: list[_Input]) -> None:
