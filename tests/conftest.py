@@ -47,8 +47,8 @@ os.environ.setdefault("TORCHINDUCTOR_VEC_ISA_OK", "1")
 # 1.9 s here) and the suite builds ~200: the run's g++ (tests/tools/gxx_pch.py, first on PATH)
 # compiles them against a precompiled copy of the header, built once per set of options into
 # the test venv (`make clean` removes it; outside a venv, or without a python3 on PATH to run
-# it, the run compiles as torch does).
-# KILN_TEST_PCH=0 turns it off. Inductor's command lines, cache keys and kernel code stay as
+# it, the run compiles as torch does), and copies a library it built before for the same build
+# in another cache root. KILN_TEST_PCH=0 turns it off. Inductor's command lines, cache keys and kernel code stay as
 # they are. docs/development.md has the figures.
 def _use_the_runs_gxx() -> None:
     in_venv = sys.prefix != sys.base_prefix and os.access(sys.prefix, os.W_OK)

@@ -68,3 +68,31 @@ def test_the_real_compiler_says_the_same_of_itself(tmp_path: Path) -> None:
         for e in (real, shim)
     ]
     assert said[0] == said[1] and "COLLECT_GCC=g++" in said[0]
+
+
+def test_an_identical_library_build_is_copied_from_the_kept_output(tmp_path: Path) -> None:
+    """A build of one source into one library is kept by what it was built from; the same
+    build again (another folder: a new cache root) copies it, anything else compiles."""
+    env = {**os.environ, "KILN_TEST_PCH_DIR": str(tmp_path / "kept")}
+    env["PATH"] = os.pathsep.join([str(TOOLS), env["PATH"]])
+
+    def build(folder: str, code: str) -> tuple[int, Path]:
+        source = tmp_path / folder / "probe.cpp"
+        source.parent.mkdir(exist_ok=True)
+        source.write_text(code)
+        out = source.with_suffix(".so")
+        command = ["g++", str(source), "-O2", "-shared", "-fPIC", "-o", str(out)]
+        return subprocess.run(command, env=env, capture_output=True).returncode, out
+
+    code = 'extern "C" int answer() { return 42; }\n'
+    rc, first = build("a", code)
+    (kept,) = (tmp_path / "kept" / "built").iterdir()
+    assert rc == 0 and kept.read_bytes() == first.read_bytes()
+    kept.write_bytes(b"kept")  # so that a copy shows
+    rc, again = build("b", code)
+    assert rc == 0 and again.read_bytes() == b"kept"
+    rc, other = build("c", code.replace("42", "43"))  # other bytes: compiled
+    assert rc == 0 and other.read_bytes()[:4] == b"\x7fELF"
+    rc, failed = build("d", "not C++\n")  # a failing build: its exit code, nothing kept
+    assert rc != 0 and not failed.exists()
+    assert len(list((tmp_path / "kept" / "built").iterdir())) == 2

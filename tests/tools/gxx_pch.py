@@ -13,6 +13,11 @@ Inductor keys its cache on, the compiler it runs (started as ``g++`` with this f
 ``PATH``, so even ``g++ -v``, part of Inductor's ISA-probe keys, prints the same), its outputs'
 paths and the kernels' code are the same.
 
+A build of one source into one library (a kernel, an ISA probe) is also kept, by what it was
+built from, and a later identical build copies it instead of compiling (ccache's job, which
+ccache does not do for a command that compiles and links at once): the suite bakes the same
+models in many fresh cache roots, so ~60% of its builds are repeats.
+
 A kernel build gets ``-I DIR`` first, where ``DIR/torch/csrc/inductor/cpp_prefix.h.gch`` was
 built once with the kernel's own compile options. The folder is keyed by them, by the real
 compiler, and by the header's and torch's install record's size and time: GCC checks a
@@ -27,6 +32,7 @@ from __future__ import annotations
 import fcntl
 import hashlib
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -57,10 +63,32 @@ def real_compiler(env: dict[str, str]) -> str:
     raise SystemExit("g++ (tests/tools): no real g++ on PATH")
 
 
+def one_source(args: list[str]) -> tuple[list[str], str | None] | None:
+    """For a build of one ``.cpp`` source (the first argument): its other arguments, less
+    ``-o`` and its value, and that value (None without ``-o``); None for any other shape (more
+    inputs, or an option that changes what the source means)."""
+    if not args or not args[0].endswith(".cpp"):
+        return None
+    options: list[str] = []
+    output = None
+    rest = iter(args[1:])
+    for arg in rest:
+        if arg == "-o":
+            output = next(rest, None)
+        elif arg.startswith(_OTHER_SHAPES) or not arg.startswith("-"):
+            return None
+        elif arg in _TAKES_VALUE:
+            options += [arg, next(rest, "")]
+        else:
+            options.append(arg)
+    return options, output
+
+
 def kernel_build(args: list[str]) -> tuple[list[str], Path] | None:
     """For a kernel build (one source whose first line of code includes the prefix header):
     its compile options and the folder holding that header; else None."""
-    if not args or not args[0].endswith(".cpp"):
+    build = one_source(args)
+    if build is None:
         return None
     try:
         with open(args[0], encoding="utf-8", errors="replace") as source:
@@ -69,28 +97,52 @@ def kernel_build(args: list[str]) -> tuple[list[str], Path] | None:
         return None
     if first != INCLUDE:
         return None
-    options: list[str] = []
-    rest = iter(args[1:])
-    for arg in rest:
-        if arg == "-o":
-            next(rest, None)
-        elif arg.startswith(_OTHER_SHAPES) or not arg.startswith("-"):
-            return None  # another input, or an option that changes the header's meaning
-        elif arg in _TAKES_VALUE:
-            options += [arg, next(rest, "")]
-        elif arg != "-shared" and not arg.startswith(_LINK_ONLY):
-            options.append(arg)
+    options = [a for a in build[0] if a != "-shared" and not a.startswith(_LINK_ONLY)]
     roots = [a[2:] for a in options if a.startswith("-I") and Path(a[2:], PREFIX).is_file()]
     return (options, Path(roots[0])) if roots else None
 
 
+def _installs(gxx: str, options: list[str]) -> list[str]:
+    """What the headers a build reads come with: the real compiler, and the install record of
+    every package whose include folder is on the include path (torch's, beside
+    ``.../site-packages/torch/include``), each by path, size and time."""
+    files = [Path(gxx).resolve()]
+    for option in options:
+        if option.startswith("-I"):
+            files += sorted(Path(option[2:]).parent.parent.glob("torch-*.dist-info/RECORD"))
+    stats = {f: f.stat() for f in files}
+    return [f"{f}:{s.st_mtime_ns}:{s.st_size}" for f, s in stats.items()]
+
+
 def _key(gxx: str, options: list[str], root: Path) -> str:
-    compiler, header = Path(gxx).resolve(), root / PREFIX
-    # root is .../site-packages/torch/include: torch's install record lies beside the package.
-    record = sorted(root.parent.parent.glob("torch-*.dist-info/RECORD"))
-    stats = [compiler.stat(), header.stat(), *(r.stat() for r in record)]
-    parts = [str(compiler), str(header), *(f"{s.st_mtime_ns}:{s.st_size}" for s in stats)]
+    header = root / PREFIX
+    stat = header.stat()
+    parts = [*_installs(gxx, options), f"{header}:{stat.st_mtime_ns}:{stat.st_size}"]
     return hashlib.sha256("\0".join([*parts, *options]).encode()).hexdigest()[:32]
+
+
+def built(gxx: str, args: list[str]) -> tuple[Path, Path] | None:
+    """For a build of one source into one library: where its output is kept, keyed by the
+    source's name and bytes, every other argument, the output's name and the installs the
+    headers come from (:func:`_installs`); and the output's path. None for any other build.
+    A system header changed in place (not by a compiler or torch install) is not seen: the
+    folder lives in the test venv, which ``make clean`` removes."""
+    build = one_source(args)
+    if build is None or build[1] is None or "-shared" not in build[0]:
+        return None
+    options, output = build
+    source = Path(args[0])
+    digest = hashlib.sha256(source.read_bytes())
+    parts = [source.name, Path(output).name, *_installs(gxx, options), *options]
+    digest.update("\0".join(parts).encode())
+    return Path(os.environ["KILN_TEST_PCH_DIR"], "built", digest.hexdigest()[:40]), Path(output)
+
+
+def _put(source: Path, target: Path) -> None:
+    """``source``'s bytes and mode at ``target``, whole or not at all."""
+    partial = target.with_name(f"{target.name}.{os.getpid()}.part")
+    shutil.copy(source, partial)
+    os.replace(partial, target)
 
 
 def precompiled(gxx: str, env: dict[str, str], options: list[str], root: Path) -> Path | None:
@@ -129,14 +181,26 @@ def precompiled(gxx: str, env: dict[str, str], options: list[str], root: Path) -
 def main() -> None:
     env = real_env()
     gxx, args = real_compiler(env), sys.argv[1:]
-    try:
-        build = kernel_build(args) if os.environ.get("KILN_TEST_PCH_DIR") else None
-        folder = precompiled(gxx, env, *build) if build else None
-    except Exception:  # anything unexpected: the build as it was
-        folder = None
+    folder = kept = None
+    if os.environ.get("KILN_TEST_PCH_DIR"):
+        try:
+            kept = built(gxx, args)
+            build = kernel_build(args)
+            folder = precompiled(gxx, env, *build) if build else None
+        except Exception:  # anything unexpected: the build as it was
+            folder = kept = None
+    if kept is not None and kept[0].is_file():
+        _put(*kept)
+        sys.exit(0)
     if folder is not None:
         args = [args[0], f"-I{folder}", *args[1:]]
-    os.execve(gxx, ["g++", *args], env)
+    if kept is None:
+        os.execve(gxx, ["g++", *args], env)
+    code = subprocess.run(["g++", *args], executable=gxx, env=env).returncode
+    if code == 0 and kept[1].is_file():
+        kept[0].parent.mkdir(parents=True, exist_ok=True)
+        _put(kept[1], kept[0])
+    sys.exit(code)
 
 
 if __name__ == "__main__":
