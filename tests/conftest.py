@@ -48,8 +48,8 @@ os.environ.setdefault("TORCHINDUCTOR_VEC_ISA_OK", "1")
 # compiles them against a precompiled copy of the header, built once per set of options into
 # the test venv (`make clean` removes it; outside a venv, or without a python3 on PATH to run
 # it, the run compiles as torch does), and copies a library it built before for the same build
-# in another cache root. KILN_TEST_PCH=0 turns it off. Inductor's command lines, cache keys and kernel code stay as
-# they are. docs/development.md has the figures.
+# in another cache root. KILN_TEST_PCH=0 turns it off. Inductor's command lines, cache keys
+# and kernel code stay as they are. docs/development.md has the figures.
 def _use_the_runs_gxx() -> None:
     in_venv = sys.prefix != sys.base_prefix and os.access(sys.prefix, os.W_OK)
     if os.environ.get("KILN_TEST_PCH", "1") == "0" or not in_venv or not shutil.which("python3"):
