@@ -265,12 +265,15 @@ def bake_once(
     files: dict[str, str] | None = None,
     *,
     restore: bool = False,
+    exact_builds: bool = False,
     **bake_kwargs: object,
 ) -> tuple[Path, Any]:
     """``kiln.bake`` of ``spec_text`` (beside ``files``, e.g. the model module it names) in the
     run's shared folder ``folder``, made once per run; returns the spec's path and the result.
     ``restore``: also restore it, once, into the folder's ``restored/`` (read only: a test that
-    changes a restored folder restores or copies its own)."""
+    changes a restored folder restores or copies its own). ``exact_builds``: g++ builds every
+    library at this path, none copied from a build elsewhere, whose debug information names
+    another folder (for a test that compares libraries byte for byte)."""
     d = shared_dir(tmp_path_factory, folder)
     spec_path = d / "spec.yaml"
     saved = d / "result.pickle"
@@ -288,6 +291,8 @@ def bake_once(
                 # spec can compile at the same path (tests/test_reproducible.py).
                 mp.setenv("TMPDIR", str(bake_tmpdir(spec_path)))
                 mp.setattr(tempfile, "tempdir", None)
+                if exact_builds:  # every library built here (tests/tools/gxx_pch.py)
+                    mp.setenv("KILN_TEST_GXX_KEEP", "0")
                 name = kiln.load_spec(spec_path).name
                 result = kiln.bake(spec_path, d / f"{name}.kiln.tar.zst", **bake_kwargs)
             if restore:
@@ -307,7 +312,7 @@ def bake_tmpdir(spec_path: Path) -> Path:
 def baked(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Any]:
     """One real CPU bake of the 3-bucket MLP (``mlp_spec()``), shared by the tests that read
     artifacts (test_roundtrip, test_cli_render, test_deploy, test_reproducible)."""
-    return bake_once(tmp_path_factory, "baked", mlp_spec())
+    return bake_once(tmp_path_factory, "baked", mlp_spec(), exact_builds=True)
 
 
 @pytest.fixture

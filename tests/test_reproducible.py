@@ -99,7 +99,7 @@ def test_two_bakes_of_one_spec_reproduce_each_other(baked, cli, tmp_path: Path) 
     assert spec.read_text() == mlp_spec()
     # The same spec file, compiled at the same path (the bake's work folder under TMPDIR).
     env = {"SOURCE_DATE_EPOCH": SHARED_EPOCH, "TMPDIR": str(bake_tmpdir(spec))}
-    env["KILN_TEST_PCH_DIR"] = ""  # g++ builds every library again, none copied (conftest)
+    env["KILN_TEST_GXX_KEEP"] = "0"  # g++ builds every library again, none copied (conftest)
     arts = [first.artifact, tmp_path / "a2.kiln.tar.zst"]
     proc = cli("bake", spec, "-o", arts[1], "--json", env=env)
     assert proc.returncode == 0, proc.stderr

@@ -16,7 +16,11 @@ paths and the kernels' code are the same.
 A build of one source into one library (a kernel, an ISA probe) is also kept, by what it was
 built from, and a later identical build copies it instead of compiling (ccache's job, which
 ccache does not do for a command that compiles and links at once): the suite bakes the same
-models in many fresh cache roots, so ~60% of its builds are repeats.
+models in many fresh cache roots, so ~70% of its builds are repeats. A copy is the library g++
+built from the same source in another folder: the same code, but its debug information names
+that folder (the source's path, the build's working folder), so its bytes differ from a build
+here. ``KILN_TEST_GXX_KEEP=0`` compiles every build (for a test that compares two bakes'
+libraries byte for byte).
 
 A kernel build gets ``-I DIR`` first, where ``DIR/torch/csrc/inductor/cpp_prefix.h.gch`` was
 built once with the kernel's own compile options. The folder is keyed by them, by the real
@@ -184,7 +188,7 @@ def main() -> None:
     folder = kept = None
     if os.environ.get("KILN_TEST_PCH_DIR"):
         try:
-            kept = built(gxx, args)
+            kept = built(gxx, args) if os.environ.get("KILN_TEST_GXX_KEEP", "1") != "0" else None
             build = kernel_build(args)
             folder = precompiled(gxx, env, *build) if build else None
         except Exception:  # anything unexpected: the build as it was
