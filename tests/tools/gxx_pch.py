@@ -33,6 +33,7 @@ the build as it was.
 
 from __future__ import annotations
 
+import contextlib
 import fcntl
 import hashlib
 import os
@@ -194,16 +195,18 @@ def main() -> None:
         except Exception:  # anything unexpected: the build as it was
             folder = kept = None
     if kept is not None and kept[0].is_file():
-        _put(*kept)
-        sys.exit(0)
+        with contextlib.suppress(OSError):  # a copy that fails: the build as it was
+            _put(*kept)
+            sys.exit(0)
     if folder is not None:
         args = [args[0], f"-I{folder}", *args[1:]]
     if kept is None:
         os.execve(gxx, ["g++", *args], env)
     code = subprocess.run(["g++", *args], executable=gxx, env=env).returncode
     if code == 0 and kept[1].is_file():
-        kept[0].parent.mkdir(parents=True, exist_ok=True)
-        _put(kept[1], kept[0])
+        with contextlib.suppress(OSError):  # kept for the next build, or not: this one is done
+            kept[0].parent.mkdir(parents=True, exist_ok=True)
+            _put(kept[1], kept[0])
     sys.exit(code)
 
 
