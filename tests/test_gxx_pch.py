@@ -1,4 +1,5 @@
-"""The run's g++ (tests/tools/gxx_pch.py): which builds it precompiles the prefix header for."""
+"""The run's g++ (tests/tools/gxx_pch.py): which builds it precompiles the prefix header for,
+and which it copies from an identical build kept before."""
 
 from __future__ import annotations
 

@@ -187,17 +187,22 @@ def main() -> None:
     env = real_env()
     gxx, args = real_compiler(env), sys.argv[1:]
     folder = kept = None
-    if os.environ.get("KILN_TEST_PCH_DIR"):
+    on = bool(os.environ.get("KILN_TEST_PCH_DIR"))
+    if on and os.environ.get("KILN_TEST_GXX_KEEP", "1") != "0":
         try:
-            kept = built(gxx, args) if os.environ.get("KILN_TEST_GXX_KEEP", "1") != "0" else None
-            build = kernel_build(args)
-            folder = precompiled(gxx, env, *build) if build else None
+            kept = built(gxx, args)
         except Exception:  # anything unexpected: the build as it was
-            folder = kept = None
+            kept = None
     if kept is not None and kept[0].is_file():
         with contextlib.suppress(OSError):  # a copy that fails: the build as it was
             _put(*kept)
             sys.exit(0)
+    if on:  # compiling after all: against the precompiled header, which a copy never needs
+        try:
+            build = kernel_build(args)
+            folder = precompiled(gxx, env, *build) if build else None
+        except Exception:
+            folder = None
     if folder is not None:
         args = [args[0], f"-I{folder}", *args[1:]]
     if kept is None:
