@@ -10,6 +10,7 @@ from hypothesis import strategies as st
 
 from kiln.artifact.relocate import GROUP_PREFIX, is_group
 from kiln.artifact.restore import read_installed, restore
+from kiln.layout import STATE_NAME
 from tests.archives import good_archive
 
 BAKED = "/tmp/kiln-bake-0/demo/inductor/triton/0/ABC"  # where the bake's Triton wrote them
@@ -45,6 +46,28 @@ def test_groups_name_their_files_where_restore_put_them(tmp_path: Path) -> None:
         assert installed is not None and not installed.changes
         assert [e.path for e in installed.relocated] == [GROUP]
         assert restore(art, dest).noop  # what restore rewrote is no change
+
+
+def test_a_max_autotune_cache_of_hundreds_of_groups_stays_installed(tmp_path: Path) -> None:
+    """H100, tiny-gpt-cuda-tuned: 594 relocated groups made restore's state file pass the 64 KiB
+    its reader allowed; the install then read as absent, so verify of a fresh restore named
+    every group as changed (exit 6) and a repeat restore installed again."""
+    files: dict[str, bytes] = {}
+    for i in range(600):
+        kernel = f"inductor/triton/0/{'K' * 52}{i:04d}"
+        children = {n: f"/tmp/kiln-bake-0/demo/{kernel}/{n}" for n in CHILDREN}
+        files.update({f"{kernel}/{n}": n.encode() for n in CHILDREN})
+        files[f"{kernel}/{GROUP_PREFIX}triton_poi_{i}.json"] = json.dumps(
+            {"child_paths": children}
+        ).encode()
+    art = good_archive(tmp_path / "a.kiln.tar.zst", files)
+    dest = tmp_path / "cache"
+    restore(art, dest)
+    assert (dest / STATE_NAME).stat().st_size > 64 << 10
+    installed = read_installed(dest)
+    assert installed is not None and len(installed.relocated) == 600
+    assert not installed.changes
+    assert restore(art, dest).noop
 
 
 def test_a_group_edited_after_restore_is_a_change(tmp_path: Path) -> None:

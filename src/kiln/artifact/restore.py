@@ -140,6 +140,12 @@ class Installed:
         )
 
 
+# The state file lists each file restore rewrote (one entry per relocated Triton group, as the
+# manifest lists it) besides a few fields: never more than the manifest's bound and a margin.
+# A max-autotune cache (H100, tiny-gpt-cuda-tuned) had 594 groups: about 170 KiB of state.
+MAX_STATE_BYTES = MAX_MANIFEST_BYTES + (1 << 16)
+
+
 def read_installed(dest: Path) -> Installed | None:
     """What is installed in ``dest``, read without a lock and without writing.
 
@@ -151,7 +157,7 @@ def read_installed(dest: Path) -> Installed | None:
     except OSError:
         return None
     try:
-        state = json.loads(_read_at(dfd, STATE_NAME, 1 << 16))
+        state = json.loads(_read_at(dfd, STATE_NAME, MAX_STATE_BYTES))
         digest = state["artifact_sha256"]
         bundle = state.get("bundle") or {}
         manifest = parse_manifest(_read_at(dfd, MANIFEST_NAME, MAX_MANIFEST_BYTES))
