@@ -41,6 +41,8 @@ from pathlib import Path, PurePosixPath
 _PROBE = ("_inductor", "compile_fx.py")
 # How use() tells child interpreters what it set in this one (they read these at start).
 _CHILD_ENV = ("PYTHONPYCACHEPREFIX", "PYTHONDONTWRITEBYTECODE")
+# What use() replaced, by folder, for stop(): the prefix, the write flag, the child variables.
+_REPLACED: dict[str, tuple[str | None, bool, dict[str, str | None]]] = {}
 
 
 def _probe_source(package: str = "torch") -> Path | None:
@@ -203,10 +205,12 @@ def use(folder: Path) -> str | None:
     """Import from ``folder`` (a restored artifact's ``bytecode/``) from now on, when torch's
     bytecode is not cached where this interpreter looks; returns what was done, or None.
 
-    Call it before the imports it should serve: kiln's worker does before ``import torch``,
-    ``kiln.activate()`` once its compat check passed, before Dynamo and Inductor. Nothing when
-    this interpreter does not check hash-based pycs (``--check-hash-based-pycs never``). Writing
-    bytecode is turned off for the process, so the restored folder stays exactly as restored.
+    Call it before the imports it should serve: kiln's worker and ``kiln.activate()`` do
+    before ``import torch`` (activate() once the torch build is the artifact's,
+    :func:`kiln.installs.torch_build`, and :func:`stop` when the full check then refuses).
+    Nothing when this interpreter does not check hash-based pycs (``--check-hash-based-pycs
+    never``). Writing bytecode is turned off for the process, so the restored folder stays
+    exactly as restored.
     """
     # Under -O Python looks for .opt-1 pycs, which the artifact does not hold.
     if not folder.is_dir() or sys.flags.optimize or uncached_reason() is None:
@@ -224,11 +228,28 @@ def use(folder: Path) -> str | None:
             f"the artifact's Python bytecode does not cover this torch "
             f"({sys.implementation.cache_tag}, at {where}): modules compile from source"
         )
+    before = {k: os.environ.get(k) for k in _CHILD_ENV}
+    _REPLACED.setdefault(str(folder), (sys.pycache_prefix, sys.dont_write_bytecode, before))
     sys.pycache_prefix = str(folder)
     sys.dont_write_bytecode = True
     # Child interpreters of this image (Inductor's compile workers) lack it too.
     os.environ.update(dict(zip(_CHILD_ENV, (str(folder), "1"), strict=True)))
     return f"importing Python bytecode from {folder} (torch's is not cached here)"
+
+
+def stop(folder: Path) -> bool:
+    """Undo :func:`use` of ``folder``: later imports look where they did before (modules
+    imported meanwhile stay imported). Whether there was anything to undo."""
+    replaced = _REPLACED.pop(str(folder), None)
+    if replaced is None or sys.pycache_prefix != str(folder):
+        return False
+    sys.pycache_prefix, sys.dont_write_bytecode, env = replaced
+    for key, value in env.items():
+        if value is None:
+            os.environ.pop(key, None)
+        else:
+            os.environ[key] = value
+    return True
 
 
 def served_modules(folder: Path) -> int:

@@ -29,6 +29,10 @@ KEY_FACTORS = (
     "flags.matmul_precision",
     "flags.allow_tf32",
 )
+# The torch build, which torch/version.py names without importing torch
+# (:func:`kiln.installs.torch_build`): what a served process checks before it imports torch
+# from an artifact's bytecode (kiln.bytecode).
+BUILD_FACTORS = ("torch.version", "torch.git", "torch.cuda")
 # Factors that do not enter the keys but explain other trouble.
 INFO_FACTORS = ("python", "platform", "gpu.driver", "cpu.model", "gpu.count")
 # compile.route: aoti serves compiled libraries, with no cache keys and no compiler: what must

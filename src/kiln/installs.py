@@ -9,7 +9,9 @@ so in one line (exit 2) rather than die on ``import torch``. Torch-free.
 
 from __future__ import annotations
 
+import ast
 import importlib.util
+from pathlib import Path
 
 from kiln.errors import UsageError
 
@@ -22,6 +24,35 @@ def has_torch() -> bool:
         return importlib.util.find_spec("torch") is not None
     except (ImportError, ValueError):  # a broken or stubbed-out entry in sys.modules
         return False
+
+
+# torch/version.py's names for kiln.factors.BUILD_FACTORS.
+_VERSION_NAMES = {"__version__": "torch.version", "git_version": "torch.git", "cuda": "torch.cuda"}
+
+
+def torch_build() -> dict[str, str | None] | None:
+    """The installed torch build as a fingerprint names it (:data:`kiln.factors.BUILD_FACTORS`),
+    read from ``torch/version.py`` without importing torch; None when torch is not installed or
+    the file does not say. Parsed, never run: a served process asks this before it trusts
+    anything to run, and importing torch takes seconds on an image without bytecode."""
+    try:
+        spec = importlib.util.find_spec("torch")
+    except (ImportError, ValueError):
+        return None
+    if spec is None or spec.origin is None:
+        return None
+    try:
+        tree = ast.parse(Path(spec.origin).with_name("version.py").read_bytes())
+    except (OSError, SyntaxError, ValueError):
+        return None
+    found: dict[str, str | None] = {}
+    for node in tree.body:
+        target = node.targets[0] if isinstance(node, ast.Assign) else getattr(node, "target", None)
+        value = getattr(node, "value", None)
+        named = isinstance(target, ast.Name) and target.id in _VERSION_NAMES
+        if named and isinstance(value, ast.Constant) and isinstance(value.value, str | None):
+            found[_VERSION_NAMES[target.id]] = value.value
+    return found if len(found) == len(_VERSION_NAMES) else None
 
 
 def extra_hint(extra: str) -> str:

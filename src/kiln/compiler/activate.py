@@ -30,6 +30,8 @@ from kiln.artifact.archive import read_manifest
 from kiln.artifact.manifest import Manifest
 from kiln.compiler.check import CheckReport, compare_manifest
 from kiln.errors import UsageError
+from kiln.factors import BUILD_FACTORS
+from kiln.installs import torch_build
 from kiln.layout import CacheLayout
 from kiln.serving import OnMiss, cache_env, served_torch_kwargs, serving_rank
 
@@ -182,6 +184,10 @@ def activate(
     notes: list[str] = []
     torch_loaded = "torch" in sys.modules
     os.environ.update(env)
+    # The artifact's bytecode serves `import torch` itself (seconds on an image without its
+    # own) once torch/version.py names the baked build; the full check below, which needs
+    # torch, then keeps it or takes it back (never code of an artifact the check refuses).
+    early = not torch_loaded and _bytecode_before_torch(manifest, cache, compat, notes)
 
     import torch
 
@@ -189,16 +195,18 @@ def activate(
         cache, env, None, None, None, manifest, notes, layout.dir, device_index, rank
     )
     if manifest.aoti is not None:
-        return _activate_aoti(activation, compat)
+        return _activate_aoti(activation, compat, early)
     if torch_loaded:
         _follow_env(env, notes)
     if compat != "ignore":
         activation.check = _compare(manifest, device_index, rank)
-        _judge(activation.check, compat, notes, stacklevel=3)  # the caller of activate()
+        _judge(
+            activation.check, compat, notes, stacklevel=3, bytecode_from=cache if early else None
+        )
     # The artifact's bytecode serves every import from here on (Dynamo, Inductor): only once
     # the environment is the baked one, never code of an artifact the check refuses.
-    if manifest.bytecode and (activation.check is None or activation.check.ok):
-        notes.extend(_use_bytecode(layout.bytecode))
+    if manifest.bytecode and not early and (activation.check is None or activation.check.ok):
+        notes.extend(_use_bytecode(CacheLayout(cache).bytecode))
     limit = max(torch._dynamo.config.recompile_limit, 2 * len(manifest.grid) + 2)
     torch._dynamo.config.recompile_limit = activation.recompile_limit = limit
     if megacache:
@@ -240,12 +248,22 @@ def _follow_env(env: dict[str, str], notes: list[str]) -> None:
             setattr(sys.modules[module], attr, kind(env[var]))
 
 
-def _judge(report: CheckReport, compat: Compat, notes: list[str], *, stacklevel: int) -> None:
-    """Act on a compatibility check as ``compat`` says: raise on a miss for "fail" (nothing is
-    imported from the artifact yet: the process is as it was), else warn (at ``stacklevel``
-    from here) and note it."""
+def _judge(
+    report: CheckReport,
+    compat: Compat,
+    notes: list[str],
+    *,
+    stacklevel: int,
+    bytecode_from: Path | None = None,
+) -> None:
+    """Act on a compatibility check as ``compat`` says: raise on a miss for "fail", else warn
+    (at ``stacklevel`` from here) and note it. Either way, imports stop coming from the
+    bytecode of ``bytecode_from`` (an artifact activate() took it from before the check: only
+    for the torch build it names, whose sources the checked pycs match byte for byte)."""
     if report.ok:
         return
+    if bytecode_from is not None:
+        bytecode.stop(CacheLayout(bytecode_from).bytecode)
     if compat == "fail":
         raise report.error()
     message = report.miss_message()
@@ -271,11 +289,12 @@ def _load_megacache(
     return loaded
 
 
-def _activate_aoti(activation: Activation, compat: Compat) -> Activation:
+def _activate_aoti(activation: Activation, compat: Compat, early: bool) -> Activation:
     """activate() for a ``compile.route: aoti`` artifact: the compatibility check on what a
     process without Inductor can know (kiln.factors.AOTI_KEY_FACTORS) and nothing else; no
-    Dynamo settings, no Mega-Cache, no Inductor import or worker pool (the packages need none)."""
-    manifest, rank = activation.manifest, activation.rank
+    Dynamo settings, no Mega-Cache, no Inductor import or worker pool (the packages need none).
+    ``early``: the artifact's bytecode already serves imports (:func:`_bytecode_before_torch`)."""
+    manifest, rank, cache = activation.manifest, activation.rank, activation.cache_dir
     report = None
     if compat != "ignore":
         from kiln.compiler.fingerprint import fingerprint
@@ -285,12 +304,38 @@ def _activate_aoti(activation: Activation, compat: Compat) -> Activation:
         world = manifest.world_size if rank is not None else None
         report = compare_manifest(manifest, here, rank=rank, world_size=world)
         activation.check = report
-        _judge(report, compat, activation.warnings, stacklevel=4)
-    if manifest.bytecode and (report is None or report.ok):  # as activate() does, once checked
-        activation.warnings.extend(_use_bytecode(CacheLayout(activation.cache_dir).bytecode))
+        _judge(
+            report,
+            compat,
+            activation.warnings,
+            stacklevel=4,
+            bytecode_from=cache if early else None,
+        )
+    if manifest.bytecode and not early and (report is None or report.ok):  # as activate() does
+        activation.warnings.extend(_use_bytecode(CacheLayout(cache).bytecode))
     for note in activation.warnings:
         log.warning("kiln: %s", note)
     return activation
+
+
+def _bytecode_before_torch(
+    manifest: Manifest, cache: Path, compat: Compat, notes: list[str]
+) -> bool:
+    """Serve the artifact's bytecode from ``import torch`` on, when torch's own build (read
+    from torch/version.py, :data:`kiln.factors.BUILD_FACTORS`) is the one the artifact baked,
+    or ``compat`` is "ignore"; whether it does. Each pyc is checked against its source's hash
+    as it loads, so what runs is this torch's own code; a build that differs is left to the
+    full check, with nothing imported from the artifact."""
+    if not manifest.bytecode:
+        return False
+    if compat != "ignore":
+        here = torch_build()
+        baked = manifest.fingerprint
+        if here is None or any(baked.get(k, here[k]) != here[k] for k in BUILD_FACTORS):
+            return False
+    folder = CacheLayout(cache).bytecode
+    notes.extend(_use_bytecode(folder))
+    return sys.pycache_prefix == str(folder)
 
 
 def _use_bytecode(folder: Path) -> list[str]:
