@@ -181,9 +181,12 @@ def _activate(request: WorkerRequest) -> Activation | None:
     assert request.cache_root is not None
     from kiln.compiler.activate import activate
 
-    # A rank's cache root is in its own folder: activate the artifact's.
+    # A rank's cache root is in its own folder: activate the artifact's. With activate()'s
+    # default compat, as the README's server calls it: its check (and, for a build that
+    # matches, the bytecode before `import torch`) is part of the start-up a user pays; a miss
+    # only warns here, and verify judges it in its own report.
     served = CacheLayout.of_dir(Path(request.cache_root).parent)
-    return activate(served.root, compat="ignore", device_index=request.device_index)
+    return activate(served.root, device_index=request.device_index)
 
 
 def _watch(request: WorkerRequest) -> Watch | None:
