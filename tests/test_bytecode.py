@@ -11,6 +11,8 @@ import sys
 from pathlib import Path
 
 import pytest
+from hypothesis import given
+from hypothesis import strategies as st
 
 from kiln.bytecode import uncached_reason
 
@@ -354,3 +356,62 @@ def test_activate_imports_torch_from_the_bytecode_of_its_own_build(tmp_path: Pat
     # Imported before the refusal, from this build's own checked pycs: torch, and Dynamo with
     # the check's Inductor config; from then on, Python looks where it did.
     assert out[1:] == ["torch,dynamo, True", str(empty)], out
+
+
+# Statements a torch/version.py could hold: (source, the name it binds, the constant it binds).
+_NOT_CONSTANT = object()
+_VERSION_LINES = (
+    ("__version__ = '2.13.0+cpu'", "__version__", "2.13.0+cpu"),
+    ("__version__ = base + '+cu130'", "__version__", _NOT_CONSTANT),
+    ("git_version = 'cf30153c'", "git_version", "cf30153c"),
+    ("def git_version(): pass", "git_version", _NOT_CONSTANT),
+    ("cuda: Optional[str] = None", "cuda", None),
+    ("cuda = '13.0'", "cuda", "13.0"),
+    ("cuda += '.1'", "cuda", _NOT_CONSTANT),
+    ("from elsewhere import cuda", "cuda", _NOT_CONSTANT),
+    ("if hip:\n    cuda = '12.8'", "cuda", _NOT_CONSTANT),
+    ("hip: Optional[str] = None", None, None),
+    ("debug = False", None, None),
+)
+
+
+@given(st.lists(st.sampled_from(_VERSION_LINES), max_size=8))
+def test_torch_version_file_names_a_build_only_when_each_name_is_one_constant(lines) -> None:
+    """``kiln.installs.torch_build`` reads torch/version.py without running it, to decide
+    whether an artifact's bytecode may serve ``import torch``: a name bound twice, computed,
+    imported or bound conditionally is not a build it can vouch for."""
+    import ast
+
+    from kiln.installs import _version_constants
+
+    got = _version_constants(ast.parse("\n".join(line for line, _, _ in lines)))
+    names = {"__version__": "torch.version", "git_version": "torch.git", "cuda": "torch.cuda"}
+    bound = {n: [v for _, name, v in lines if name == n] for n in names}
+    readable = all(len(v) == 1 and v[0] is not _NOT_CONSTANT for v in bound.values())
+    assert got == ({names[n]: v[0] for n, v in bound.items()} if readable else None)
+
+
+def test_activate_tries_the_bytecode_before_torch_only_for_the_baked_build(
+    tmp_path: Path,
+) -> None:
+    """In this process (whose torch has its own bytecode, so use() declines): another or an
+    unknown build is not tried (None: the full check decides after import); the baked build
+    is tried once, and a declined try is not repeated after the check."""
+    from kiln.compiler.activate import _bytecode_before_torch
+    from kiln.installs import torch_build
+    from tests.archives import manifest_for
+
+    build = torch_build()
+    assert build is not None
+    (tmp_path / "bytecode").mkdir()
+
+    def tried(fingerprint: dict) -> bool | None:
+        manifest = manifest_for({}, fingerprint=fingerprint).model_copy(
+            update={"bytecode": {"python": sys.implementation.cache_tag, "modules": 1}}
+        )
+        return _bytecode_before_torch(manifest, tmp_path, [])
+
+    assert tried({**build, "torch.git": "0" * 40}) is None
+    assert tried({**build, "torch.version": "0.0.1"}) is None
+    assert tried(build) is False  # tried: this venv's torch has its bytecode, use() declines
+    assert sys.pycache_prefix != str(tmp_path / "bytecode")

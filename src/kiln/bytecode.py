@@ -237,6 +237,12 @@ def use(folder: Path) -> str | None:
     return f"importing Python bytecode from {folder} (torch's is not cached here)"
 
 
+def serving(folder: Path) -> bool:
+    """Whether :func:`use` of ``folder`` set this process's imports to it, and they still are
+    (not a prefix the interpreter started with, which :func:`stop` leaves alone)."""
+    return str(folder) in _REPLACED and sys.pycache_prefix == str(folder)
+
+
 def stop(folder: Path) -> bool:
     """Undo :func:`use` of ``folder``: later imports look where they did before (modules
     imported meanwhile stay imported). Whether there was anything to undo."""

@@ -45,14 +45,43 @@ def torch_build() -> dict[str, str | None] | None:
         tree = ast.parse(Path(spec.origin).with_name("version.py").read_bytes())
     except (OSError, SyntaxError, ValueError):
         return None
+    return _version_constants(tree)
+
+
+def _version_constants(tree: ast.Module) -> dict[str, str | None] | None:
+    """The three names of ``torch/version.py``, when each is bound exactly once, at the top
+    level, to a string or None; else None (a value computed, rebound or imported is not read
+    as a build: the caller then waits for torch's own answer)."""
     found: dict[str, str | None] = {}
+    bindings = {name: 0 for name in _VERSION_NAMES}
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Name) and isinstance(node.ctx, ast.Store | ast.Del):
+            names = [node.id]
+        elif isinstance(node, ast.alias):
+            names = [node.asname or node.name.split(".")[0]]
+        elif isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef | ast.ClassDef):
+            names = [node.name]
+        elif isinstance(node, ast.Global | ast.Nonlocal):
+            names = list(node.names)
+        else:
+            continue
+        for name in names:
+            if name in bindings:
+                bindings[name] += 1
     for node in tree.body:
-        target = node.targets[0] if isinstance(node, ast.Assign) else getattr(node, "target", None)
-        value = getattr(node, "value", None)
-        named = isinstance(target, ast.Name) and target.id in _VERSION_NAMES
-        if named and isinstance(value, ast.Constant) and isinstance(value.value, str | None):
+        if isinstance(node, ast.Assign) and len(node.targets) == 1:
+            target, value = node.targets[0], node.value
+        elif isinstance(node, ast.AnnAssign):
+            target, value = node.target, node.value
+        else:
+            continue
+        if not (isinstance(target, ast.Name) and target.id in _VERSION_NAMES):
+            continue
+        if isinstance(value, ast.Constant) and isinstance(value.value, str | None):
             found[_VERSION_NAMES[target.id]] = value.value
-    return found if len(found) == len(_VERSION_NAMES) else None
+    if any(count != 1 for count in bindings.values()) or len(found) != len(_VERSION_NAMES):
+        return None
+    return found
 
 
 def extra_hint(extra: str) -> str:

@@ -161,7 +161,7 @@ def read_installed(dest: Path) -> Installed | None:
         digest = state["artifact_sha256"]
         bundle = state.get("bundle") or {}
         manifest = parse_manifest(_read_at(dfd, MANIFEST_NAME, MAX_MANIFEST_BYTES))
-    except (OSError, ValueError, KeyError, TypeError, AttributeError, KilnError):
+    except (OSError, ValueError, KeyError, TypeError, AttributeError, RecursionError, KilnError):
         return None
     finally:
         os.close(dfd)

@@ -186,26 +186,35 @@ def activate(
     os.environ.update(env)
     # The artifact's bytecode serves `import torch` itself (seconds on an image without its
     # own) once torch/version.py names the baked build; the full check below, which needs
-    # torch, then keeps it or takes it back (never code of an artifact the check refuses).
-    early = not torch_loaded and _bytecode_before_torch(manifest, cache, compat, notes)
+    # torch, then keeps it or takes it back. An artifact of another build serves nothing
+    # before its check.
+    early = None if torch_loaded else _bytecode_before_torch(manifest, cache, notes)
+    try:
+        import torch
 
-    import torch
-
-    activation = Activation(
-        cache, env, None, None, None, manifest, notes, layout.dir, device_index, rank
-    )
-    if manifest.aoti is not None:
-        return _activate_aoti(activation, compat, early)
-    if torch_loaded:
-        _follow_env(env, notes)
-    if compat != "ignore":
-        activation.check = _compare(manifest, device_index, rank)
-        _judge(
-            activation.check, compat, notes, stacklevel=3, bytecode_from=cache if early else None
+        activation = Activation(
+            cache, env, None, None, None, manifest, notes, layout.dir, device_index, rank
         )
-    # The artifact's bytecode serves every import from here on (Dynamo, Inductor): only once
-    # the environment is the baked one, never code of an artifact the check refuses.
-    if manifest.bytecode and not early and (activation.check is None or activation.check.ok):
+        if manifest.aoti is not None:
+            return _activate_aoti(activation, compat, early)
+        if torch_loaded:
+            _follow_env(env, notes)
+        if compat != "ignore":
+            activation.check = _compare(manifest, device_index, rank)
+            _judge(
+                activation.check,
+                compat,
+                notes,
+                stacklevel=3,
+                bytecode_from=cache if early else None,
+            )
+    except BaseException:  # the import or the check failed: leave imports as they were
+        if early:
+            bytecode.stop(CacheLayout(cache).bytecode)
+        raise
+    # Not tried before torch (another build, or torch imported first): the artifact's bytecode
+    # serves every import from here on (Dynamo, Inductor) only once the check passed.
+    if manifest.bytecode and early is None and (activation.check is None or activation.check.ok):
         notes.extend(_use_bytecode(CacheLayout(cache).bytecode))
     limit = max(torch._dynamo.config.recompile_limit, 2 * len(manifest.grid) + 2)
     torch._dynamo.config.recompile_limit = activation.recompile_limit = limit
@@ -258,8 +267,8 @@ def _judge(
 ) -> None:
     """Act on a compatibility check as ``compat`` says: raise on a miss for "fail", else warn
     (at ``stacklevel`` from here) and note it. Either way, imports stop coming from the
-    bytecode of ``bytecode_from`` (an artifact activate() took it from before the check: only
-    for the torch build it names, whose sources the checked pycs match byte for byte)."""
+    bytecode of ``bytecode_from`` (an artifact activate() took it from before the check, for
+    the torch build its manifest names)."""
     if report.ok:
         return
     if bytecode_from is not None:
@@ -289,11 +298,11 @@ def _load_megacache(
     return loaded
 
 
-def _activate_aoti(activation: Activation, compat: Compat, early: bool) -> Activation:
+def _activate_aoti(activation: Activation, compat: Compat, early: bool | None) -> Activation:
     """activate() for a ``compile.route: aoti`` artifact: the compatibility check on what a
     process without Inductor can know (kiln.factors.AOTI_KEY_FACTORS) and nothing else; no
     Dynamo settings, no Mega-Cache, no Inductor import or worker pool (the packages need none).
-    ``early``: the artifact's bytecode already serves imports (:func:`_bytecode_before_torch`)."""
+    ``early``: what :func:`_bytecode_before_torch` did."""
     manifest, rank, cache = activation.manifest, activation.rank, activation.cache_dir
     report = None
     if compat != "ignore":
@@ -311,31 +320,30 @@ def _activate_aoti(activation: Activation, compat: Compat, early: bool) -> Activ
             stacklevel=4,
             bytecode_from=cache if early else None,
         )
-    if manifest.bytecode and not early and (report is None or report.ok):  # as activate() does
+    if manifest.bytecode and early is None and (report is None or report.ok):  # as activate()
         activation.warnings.extend(_use_bytecode(CacheLayout(cache).bytecode))
     for note in activation.warnings:
         log.warning("kiln: %s", note)
     return activation
 
 
-def _bytecode_before_torch(
-    manifest: Manifest, cache: Path, compat: Compat, notes: list[str]
-) -> bool:
+def _bytecode_before_torch(manifest: Manifest, cache: Path, notes: list[str]) -> bool | None:
     """Serve the artifact's bytecode from ``import torch`` on, when torch's own build (read
-    from torch/version.py, :data:`kiln.factors.BUILD_FACTORS`) is the one the artifact baked,
-    or ``compat`` is "ignore"; whether it does. Each pyc is checked against its source's hash
-    as it loads, so what runs is this torch's own code; a build that differs is left to the
-    full check, with nothing imported from the artifact."""
+    from torch/version.py, :data:`kiln.factors.BUILD_FACTORS`) is the one the artifact baked:
+    True when this call set it up, False when it tried and :func:`kiln.bytecode.use` declined
+    (``notes`` says why), None when it did not try (no bytecode, another or an unknown build:
+    then only after the full check). Each pyc is checked against its installed source's hash
+    as it loads; what a pyc's code does beyond that is as trusted as the artifact (its
+    signature or pin), as for the Inductor caches."""
     if not manifest.bytecode:
-        return False
-    if compat != "ignore":
-        here = torch_build()
-        baked = manifest.fingerprint
-        if here is None or any(baked.get(k, here[k]) != here[k] for k in BUILD_FACTORS):
-            return False
+        return None
+    here = torch_build()
+    baked = manifest.fingerprint
+    if here is None or any(baked.get(k, here[k]) != here[k] for k in BUILD_FACTORS):
+        return None
     folder = CacheLayout(cache).bytecode
     notes.extend(_use_bytecode(folder))
-    return sys.pycache_prefix == str(folder)
+    return bytecode.serving(folder)
 
 
 def _use_bytecode(folder: Path) -> list[str]:
