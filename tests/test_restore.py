@@ -360,3 +360,13 @@ def test_a_bad_argument_names_the_parameter_and_the_cli_the_flag(
     assert proc.returncode == 2, proc.stderr
     assert proc.stderr.startswith(f"kiln: error: {flag}: expected "), proc.stderr
     assert not (tmp_path / "cache").exists()
+
+
+def test_a_deeply_nested_install_record_reads_as_no_install(installed: Path) -> None:
+    """The state file is restore's own, but DEST is writable by others: JSON nested past
+    Python's recursion limit is no install (and a repeat restore installs again), not a crash."""
+    from kiln.artifact.restore import read_installed
+    from kiln.layout import STATE_NAME
+
+    (installed / STATE_NAME).write_text("[" * 100_000 + "]" * 100_000)
+    assert read_installed(installed) is None
