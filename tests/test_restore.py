@@ -364,7 +364,7 @@ def test_a_bad_argument_names_the_parameter_and_the_cli_the_flag(
 
 def test_a_deeply_nested_install_record_reads_as_no_install(installed: Path) -> None:
     """The state file is restore's own, but DEST is writable by others: JSON nested past
-    Python's recursion limit is no install (and a repeat restore installs again), not a crash."""
+    Python's recursion limit reads as no install, not a crash."""
     from kiln.artifact.restore import read_installed
     from kiln.layout import STATE_NAME
 
