@@ -67,7 +67,7 @@ from kiln.errors import IncompatibleError, IntegrityError, Param, UsageError, Wo
 from kiln.events import EventSink, Packed, Packing, ignore
 from kiln.factors import compare, misses
 from kiln.grid import assign_shards, expand
-from kiln.layout import CUDA_CACHE_DIR, MEGACACHE_NAME, RANKS_DIR, CacheLayout, rank_of
+from kiln.layout import CUDA_CACHE_DIR, MEGACACHE_NAME, CacheLayout, rank_of
 from kiln.spec import Spec
 
 # Manifest fields one spec determines: shards that differ in one were not baked from one spec.
@@ -397,7 +397,7 @@ def _files(
 def _driver_cache(path: str) -> str | None:
     """The CUDA driver's JIT cache folder ``path`` is in (``cuda-cache/``, or a rank's
     ``ranks/R/cuda-cache/``), or None."""
-    prefix = f"{RANKS_DIR}/{rank}/" if (rank := rank_of(path)) is not None else ""
+    prefix = CacheLayout(rank=rank_of(path)).prefix
     if path.startswith(f"{prefix}{CUDA_CACHE_DIR}/"):
         return f"{prefix}{CUDA_CACHE_DIR}/"
     return None
