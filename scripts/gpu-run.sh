@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One device-machine call: install carried wheels, then run the GPU tests or the benchmarks.
 # Usage (on the GPU machine, from the repo root):
-#   scripts/gpu-run.sh [tests [PYTEST ARGS] | aoti [PYTEST ARGS] | first-process SPEC... | bench SPEC...]
+#   scripts/gpu-run.sh [tests [ARGS] | aoti [ARGS] | bake SPEC... | first-process SPEC... | bench SPEC...]
 # Wheels for what the machine lacks come from `make gpu-wheels` (carry .whl).
 # BENCH_MODES=eager,cold,kiln,megacache,copied,kiln-blob,kiln-serial picks bench modes;
 # BENCH_REPEAT=3 runs each served mode three times (medians with their range).
@@ -44,6 +44,30 @@ if [ "$what" = aoti ]; then  # issue 26: AOTInductor packages built, served and 
   rc=$?
   grep -E "aoti serve|artifact bytes|passed|failed|Error|Fatal|Segmentation" "$OUT/aoti-tests.log" | tail -20
   exit $rc
+fi
+if [ "$what" = bake ]; then
+  # Bake each spec into $OUT/SPEC.kiln.tar.zst (JOBS at once) for a later call's
+  # KILN_GPU_ARTIFACTS: the specs whose bake and first-process tests do not fit one call.
+  # One log for all ($OUT returns at most 8 files); the table is each bake's passes and proof.
+  for spec in "$@"; do
+    while [ "$(jobs -rp | wc -l)" -ge "${JOBS:-1}" ]; do wait -n; done
+    left=$((BUDGET_S - SECONDS))
+    if [ "$left" -lt "$MIN_LEFT_S" ]; then echo "skip $spec: ${SECONDS}s used"; continue; fi
+    name=$(basename "$spec" .yaml)
+    ( started=$SECONDS
+      timeout "$left" python3 -m kiln bake "$spec" -o "$OUT/$name.kiln.tar.zst" > "/tmp/bake-$name.log" 2>&1
+      echo "$name: exit $? in $((SECONDS - started)) s" >> "/tmp/bake-$name.log" ) &
+  done
+  wait
+  for f in /tmp/bake-*.log; do echo "== $f"; tail -5 "$f"; done
+  cat /tmp/bake-*.log > "$OUT/bake.log"
+  for a in "$OUT"/*.kiln.tar.zst; do
+    python3 -m kiln inspect "$a" --json | python3 -c 'import json, sys; m = json.load(sys.stdin)
+m = m.get("manifest", m); p = m.get("proof") or {}
+print(m["name"], "passes", [x["compiles"] for x in m.get("passes", [])], "proof", p.get("compiles"),
+      "bytes", sys.argv[1])' "$(stat -c %s "$a")"
+  done
+  exit 0
 fi
 if [ "$what" = first-process ]; then
   # Issue 25: each spec's first user process after a restore (tests/test_first_process_gpu.py),
