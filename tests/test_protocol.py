@@ -41,6 +41,7 @@ from kiln.events import (
 )
 from kiln.serving import (
     COMPILE_DEFAULTS,
+    GPU_COMPILE_DEFAULTS,
     compile_env,
     served_torch_kwargs,
     torch_kwargs,
@@ -300,6 +301,12 @@ def test_compile_env_pins_the_job_id_where_shapes_may_be_dynamic(write_spec) -> 
     pch = "env: {TORCHINDUCTOR_CPP_CACHE_PRECOMPILE_HEADERS: '1'}\n"
     mine = load_spec(write_spec(mlp_spec() + pch, "p.yaml"))
     assert compile_env(mine) == {"TORCHINDUCTOR_CPP_CACHE_PRECOMPILE_HEADERS": "1"}
+    # A GPU spec adds the GPU defaults (their reason: kiln.serving); its own value stands too.
+    gpu_text = mlp_spec("g").replace("  call_kwargs:", "  device: cuda\n  call_kwargs:")
+    gpu = load_spec(write_spec(gpu_text, "g.yaml"))
+    assert compile_env(gpu) == COMPILE_DEFAULTS | GPU_COMPILE_DEFAULTS
+    scaled = load_spec(write_spec(gpu_text + "env: {TORCHINDUCTOR_DYNAMIC_SCALE_RBLOCK: '1'}\n"))
+    assert compile_env(scaled)["TORCHINDUCTOR_DYNAMIC_SCALE_RBLOCK"] == "1"
 
 
 def test_activate_sets_each_compile_default_on_an_imported_config() -> None:
@@ -308,7 +315,7 @@ def test_activate_sets_each_compile_default_on_an_imported_config() -> None:
     activate() sets the config too, to the value torch would have read."""
     from kiln.compiler.activate import _CONFIG_BACKED
 
-    for var, value in COMPILE_DEFAULTS.items():
+    for var, value in (COMPILE_DEFAULTS | GPU_COMPILE_DEFAULTS).items():
         module, attr, parse = _CONFIG_BACKED[var]
         read = subprocess.run(
             [sys.executable, "-c", f"import {module} as c; print(repr(c.{attr}))"],

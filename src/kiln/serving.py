@@ -46,11 +46,20 @@ class CompileSection(Protocol):
     def autotunes(self) -> bool: ...
 
 
+class ModelSection(Protocol):
+    """A spec's ``model`` section (:class:`kiln.spec.ModelSpec`), as far as the device goes."""
+
+    @property
+    def device(self) -> str: ...
+
+
 class CompiledSpec(Protocol):
     """A spec (:class:`kiln.spec.Spec`), as far as its compile environment goes."""
 
     @property
     def name(self) -> str: ...
+    @property
+    def model(self) -> ModelSection: ...
     @property
     def compile(self) -> CompileSection: ...
     def compile_env(self) -> dict[str, str]: ...
@@ -98,6 +107,17 @@ COMPILE_DEFAULTS = {
     # hits: a pod paid seconds of g++ on its first request (2.13 CPU: 6.8 s against 0.3 s).
     "TORCHINDUCTOR_CPP_CACHE_PRECOMPILE_HEADERS": "0",
 }
+# And on a GPU:
+GPU_COMPILE_DEFAULTS = {
+    # A reduction kernel whose configs spill registers gets a config with a smaller R0_BLOCK
+    # added at its first launch, and it can win the benchmark; torch <= 2.12 reloads a
+    # `.best_config` only when it names a config of the kernel's compiled list (2.13 rebuilds
+    # it: `_reconstruct_triton_config`), so that kernel benchmarked again in every process, the
+    # bake's proof and every pod's first request included (H100, llm-default at batch 16 x seq
+    # 2048: the RMSNorm after the embedding, every process). Without the added config each
+    # kernel's winner is one of its list, which a restored process reads back.
+    "TORCHINDUCTOR_DYNAMIC_SCALE_RBLOCK": "0",
+}
 # What every served process runs with, outside Inductor's cache key (kiln.env, activate(),
 # verify, bench and the proof alike):
 SERVING_ENV = {
@@ -117,13 +137,15 @@ SERVING_NOTES = {
 def compile_env(spec: CompiledSpec) -> dict[str, str]:
     """Environment the bake compiles under and every serving process must share.
 
-    :data:`COMPILE_DEFAULTS`, the spec's ``env`` (its keys passed
+    :data:`COMPILE_DEFAULTS` (and :data:`GPU_COMPILE_DEFAULTS` on a GPU), the spec's ``env``
+    (its keys passed
     :func:`~kiln.envrules.env_key_problem` when it parsed) over them, and for automatic or
     dynamic shapes a pinned ``TORCH_COMPILE_JOB_ID``: the PGO profile torch writes during the
     bake is keyed by job id, so a pod reads back the one the bake wrote, unless the spec chose
     an id itself. The manifest records the result as its ``env``.
     """
-    env = COMPILE_DEFAULTS | spec.compile_env()
+    defaults = COMPILE_DEFAULTS | (GPU_COMPILE_DEFAULTS if spec.model.device == "cuda" else {})
+    env = defaults | spec.compile_env()
     if spec.compile.dynamic is not False:
         env.setdefault("TORCH_COMPILE_JOB_ID", f"kiln-{spec.name}")
     return env

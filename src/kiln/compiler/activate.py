@@ -51,6 +51,12 @@ _CONFIG_BACKED: dict[str, tuple[str, str, Callable[[str], Any]]] = {
         "cpp_cache_precompile_headers",
         lambda value: value == "1",
     ),
+    # kiln.serving.GPU_COMPILE_DEFAULTS: in the FX key (each kernel's source), read the same way
+    "TORCHINDUCTOR_DYNAMIC_SCALE_RBLOCK": (
+        "torch._inductor.config",
+        "dynamic_scale_rblock",
+        lambda value: value == "1",
+    ),
 }
 
 
