@@ -97,3 +97,51 @@ def test_an_identical_library_build_is_copied_from_the_kept_output(tmp_path: Pat
     rc, failed = build("d", "not C++\n")  # a failing build: its exit code, nothing kept
     assert rc != 0 and not failed.exists()
     assert len(list((tmp_path / "kept" / "built").iterdir())) == 2
+
+
+def test_aot_objects_and_headers_are_kept_by_code_not_by_folder(tmp_path: Path) -> None:
+    """AOTInductor's shapes: a precompiled header, and an object compiled ``-include``-ing it
+    from a source that ends with its build command (naming the bake's temporary folder) as a
+    comment. The same code and header bytes in another folder copy the kept output; other
+    code, or an included header with other bytes, compiles."""
+    env = {**os.environ, "KILN_TEST_PCH_DIR": str(tmp_path / "kept")}
+    env["PATH"] = os.pathsep.join([str(TOOLS), env["PATH"]])
+
+    def build(folder: str, code: str, header: str = "#define ANSWER 42\n") -> tuple[int, Path]:
+        where = tmp_path / folder
+        where.mkdir(exist_ok=True)
+        (where / "pre.h").write_text(header)
+        subprocess.run(
+            ["g++", "-x", "c++-header", str(where / "pre.h"), "-o", str(where / "pre.h.gch")],
+            env=env,
+            check=True,
+        )
+        source = where / "w.wrapper.cpp"
+        source.write_text(f"{code}// g++ {source} -c -o {where}/w.wrapper.o\n")
+        out = where / "w.wrapper.o"
+        command = [
+            "g++",
+            str(source),
+            "-include",
+            str(where / "pre.h"),
+            "-O1",
+            "-c",
+            "-o",
+            str(out),
+        ]
+        return subprocess.run(command, env=env, capture_output=True).returncode, out
+
+    code = 'extern "C" int answer() { return ANSWER; }\n'
+    rc, first = build("a", code)
+    assert first.read_bytes()[:4] == b"\x7fELF"
+    kept = sorted((tmp_path / "kept" / "built").iterdir())
+    assert rc == 0 and len(kept) == 2  # the header and the object
+    for k in kept:
+        k.write_bytes(b"kept")  # so that a copy shows
+    rc, again = build("b", code)
+    assert rc == 0 and again.read_bytes() == b"kept"
+    assert (tmp_path / "b" / "pre.h.gch").read_bytes() == b"kept"
+    rc, other = build("c", code.replace("answer", "other"))  # other code: compiled
+    assert rc == 0 and other.read_bytes()[:4] == b"\x7fELF"
+    rc, header = build("d", code, "#define ANSWER 43\n")  # the same code, another header
+    assert rc == 0 and header.read_bytes()[:4] == b"\x7fELF"
