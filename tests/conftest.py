@@ -14,9 +14,12 @@ import sys
 import tempfile
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import pytest
+
+if TYPE_CHECKING:
+    from kiln.artifact.manifest import Manifest
 
 ROOT = Path(__file__).resolve().parent.parent
 MODELS = ROOT / "examples" / "models.py"
@@ -313,6 +316,23 @@ def baked(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Any]:
     """One real CPU bake of the 3-bucket MLP (``mlp_spec()``), shared by the tests that read
     artifacts (test_roundtrip, test_cli_render, test_deploy, test_reproducible)."""
     return bake_once(tmp_path_factory, "baked", mlp_spec(), exact_builds=True)
+
+
+def aoti_spec(
+    name: str = "aoti-mlp", compile_extra: str = "", buckets: str = "[2, 3]", dynamic: str = "false"
+) -> str:
+    """The tiny MLP (call_kwargs scale: 2.0) on the AOT route; compile's keys from line 7."""
+    text = mlp_spec(name, buckets=f"batch: {buckets}", dynamic=dynamic)
+    extra = "".join(f"\n  {line}" for line in compile_extra.splitlines() if line)
+    return text.replace("compile:\n", f"compile:\n  route: aoti\n  fullgraph: true{extra}\n", 1)
+
+
+@pytest.fixture(scope="session")
+def aoti_baked(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path, Manifest]:
+    """One real bake of the MLP on the AOT route (2 buckets), restored: made once per run."""
+    spec, result = bake_once(tmp_path_factory, "aoti", aoti_spec(), restore=True)
+    assert result is not None
+    return spec, spec.parent / "restored", result.manifest
 
 
 @pytest.fixture

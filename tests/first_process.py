@@ -70,10 +70,15 @@ class Served:
     dest: Changes
     home: list[str]
     tmp: list[str]
+    compiler_modules: list[str] = field(default_factory=list)  # Dynamo, Inductor: imported?
+    aoti_misses: int | None = None  # calls the AOT route served off its packages
 
     def work(self) -> dict[str, dict[str, int]]:
-        """Per bucket, every kind of compile work that is not zero."""
-        out: dict[str, dict[str, int]] = {}
+        """Per bucket, every kind of compile work that is not zero (on the AOT route, the
+        calls its packages did not serve, under the key ``aoti``)."""
+        out: dict[str, dict[str, int]] = (
+            {"aoti": {"misses": self.aoti_misses}} if self.aoti_misses else {}
+        )
         for b in self.buckets:
             c = b["counters"]
             inductor, timed = c.get("inductor", {}), c.get("timed", {})
@@ -107,6 +112,7 @@ class Served:
             "dest": vars(self.dest),
             "home": self.home,
             "tmp": self.tmp,
+            "compiler_modules": self.compiler_modules,
             "first_calls_s": {b["key"]: round(b["first_call_s"], 3) for b in self.buckets},
         }
 
@@ -149,11 +155,13 @@ def serve_like_a_user(
         text=True,
         timeout=timeout,
     )
-    buckets = json.loads(out.read_text())["buckets"] if out.exists() else []
+    report = json.loads(out.read_text()) if out.exists() else {}
     return Served(
         returncode=proc.returncode,
         stderr=proc.stderr[-4000:],
-        buckets=buckets,
+        buckets=report.get("buckets", []),
+        compiler_modules=report.get("compiler_modules", []),
+        aoti_misses=report.get("aoti_misses"),
         dest=Changes.between(before, digest_tree(dest)),
         home=sorted(digest_tree(home)),
         tmp=sorted(digest_tree(tmp)),

@@ -22,16 +22,7 @@ from kiln.artifact.manifest import Manifest
 from kiln.errors import SpecError, UsageError
 from kiln.factors import compare, misses
 from kiln.spec import parse_spec
-from tests.conftest import MODELS, bake_once, mlp_spec, shared_dir
-
-
-def aoti_spec(
-    name: str = "aoti-mlp", compile_extra: str = "", buckets: str = "[2, 3]", dynamic: str = "false"
-) -> str:
-    """The tiny MLP (call_kwargs scale: 2.0) on the AOT route; compile's keys from line 7."""
-    text = mlp_spec(name, buckets=f"batch: {buckets}", dynamic=dynamic)
-    extra = "".join(f"\n  {line}" for line in compile_extra.splitlines() if line)
-    return text.replace("compile:\n", f"compile:\n  route: aoti\n  fullgraph: true{extra}\n", 1)
+from tests.conftest import MODELS, aoti_spec, mlp_spec, shared_dir
 
 
 # --- the spec ---------------------------------------------------------------------------------
@@ -149,14 +140,6 @@ def test_a_package_library_must_be_a_listed_file() -> None:
 
 
 # --- real bakes -------------------------------------------------------------------------------
-@pytest.fixture(scope="session")
-def aoti_baked(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path, Manifest]:
-    """One real bake of the MLP on the AOT route (2 buckets), restored: made once per run."""
-    spec, result = bake_once(tmp_path_factory, "aoti", aoti_spec(), restore=True)
-    assert result is not None
-    return spec, spec.parent / "restored", result.manifest
-
-
 # A server as a user writes it: kiln.activate, build, compile, call under inference mode.
 SERVE = """\
 import json, sys

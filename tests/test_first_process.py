@@ -70,6 +70,24 @@ def test_a_read_only_restored_folder_serves(artifact, read_only_mount, tmp_path)
     assert served.work() == {} and served.home == [] and served.tmp == [], served.summary()
 
 
+def test_the_aot_route_serves_a_read_only_folder_without_dynamo_or_inductor(
+    aoti_baked, read_only_mount, tmp_path
+) -> None:
+    """The AOT route (issue 26) served as the README serves it, ``kiln.activate(DIR)
+    .compile(model)``, as the first process on a fresh restore in a read-only mount: every
+    call served by a package, neither Dynamo nor Inductor imported, nothing written."""
+    spec, restored, manifest = aoti_baked
+    dest = read_only_mount / "cache"
+    kiln.restore(restored.parent / f"{manifest.name}.kiln.tar.zst", dest)
+    subprocess.run(["mount", "-o", "remount,ro", str(read_only_mount)], check=True)
+    served = serve_like_a_user(spec, dest, tmp_path / "run", order="reverse")
+    assert served.returncode == 0, served.stderr
+    assert [b["key"] for b in served.buckets] == ["batch=3", "batch=2"]
+    assert served.aoti_misses == 0 and served.work() == {}, served.summary()
+    assert served.compiler_modules == [], served.summary()
+    assert not served.dest and served.home == [] and served.tmp == [], served.summary()
+
+
 def test_verify_names_a_kernel_the_folder_lost_and_leaves_the_folder_as_found(
     artifact, tmp_path, cli
 ) -> None:

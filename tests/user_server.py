@@ -1,4 +1,6 @@
-"""A model server written the way a user writes one: no kiln import, plain ``torch.compile``.
+"""A model server written the way a user writes one: no kiln import, plain ``torch.compile``
+(or, for an artifact of AOTInductor packages, ``kiln.activate(DIR).compile(model)``: the one
+way the README serves that route).
 
     . DIR/kiln.env && python tests/user_server.py SPEC.yaml OUT.json [--order grid|reverse|shuffle]
 
@@ -26,6 +28,8 @@ from collections import Counter
 from pathlib import Path
 
 import yaml
+
+COMPILER_MODULES = ("torch._dynamo", "torch._inductor")
 
 
 def load_factory(spec_path: Path, factory: str):
@@ -73,7 +77,10 @@ def make_inputs(torch, spec: dict, sizes: dict[str, int], device, seed: int) -> 
 
 def counters_now() -> dict[str, Counter]:
     """torch's counters, plus how many times each timed compile step ran (never replayed from
-    a cache entry, unlike the inductor counters an FX hit adds back)."""
+    a cache entry, unlike the inductor counters an FX hit adds back); none in a process that
+    has not imported Dynamo (the AOT route's), which reading them would import."""
+    if "torch._dynamo" not in sys.modules:
+        return {}
     from torch._dynamo.utils import compilation_time_metrics, counters
 
     now = {group: Counter(values) for group, values in counters.items()}
@@ -101,7 +108,7 @@ def main() -> None:
     started = time.time()
     spec = yaml.safe_load(args.spec.read_text())
     cache = Path(os.environ["KILN_CACHE_DIR"])
-    compile_kwargs = json.loads((cache / "manifest.json").read_text())["compile_kwargs"]
+    manifest = json.loads((cache / "manifest.json").read_text())
 
     import torch
 
@@ -112,8 +119,13 @@ def main() -> None:
     model = model.to(device=device, dtype=getattr(torch, model_spec.get("dtype", "float32")))
     model = model.eval()
     buckets = grid(spec)
-    torch._dynamo.config.recompile_limit = max(8, 2 * len(buckets) + 2)
-    compiled = torch.compile(model, **compile_kwargs)
+    if manifest.get("aoti"):
+        import kiln
+
+        compiled = kiln.activate(cache).compile(model)
+    else:
+        torch._dynamo.config.recompile_limit = max(8, 2 * len(buckets) + 2)
+        compiled = torch.compile(model, **manifest["compile_kwargs"])
     order = {"grid": buckets, "reverse": buckets[::-1]}.get(args.order)
     if order is None:
         order = list(buckets)
@@ -123,7 +135,7 @@ def main() -> None:
     report = []
     with torch.inference_mode():
         for i, sizes in enumerate(order):
-            before = counters_now() if "torch._dynamo" in sys.modules else {}
+            before = counters_now()
             t0 = time.perf_counter()
             for call in range(calls):
                 inputs = make_inputs(torch, spec, sizes, device, seed=1000 * i + call)
@@ -138,6 +150,8 @@ def main() -> None:
             )
     result = {
         "buckets": report,
+        "compiler_modules": sorted(m for m in sys.modules if m in COMPILER_MODULES),
+        "aoti_misses": getattr(compiled, "misses", None),
         "wall_s": time.time() - started,
         "triton_cache_dir": os.environ.get("TRITON_CACHE_DIR"),
     }
