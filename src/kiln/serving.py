@@ -109,13 +109,14 @@ COMPILE_DEFAULTS = {
 }
 # And on a GPU:
 GPU_COMPILE_DEFAULTS = {
-    # A reduction kernel whose configs spill registers gets a config with a smaller R0_BLOCK
-    # added at its first launch, and it can win the benchmark; torch <= 2.12 reloads a
-    # `.best_config` only when it names a config of the kernel's compiled list (2.13 rebuilds
-    # it: `_reconstruct_triton_config`), so that kernel benchmarked again in every process, the
-    # bake's proof and every pod's first request included (H100, llm-default at batch 16 x seq
-    # 2048: the RMSNorm after the embedding, every process). Without the added config each
-    # kernel's winner is one of its list, which a restored process reads back.
+    # A reduction kernel whose configs use many registers gets a config with a smaller R0_BLOCK
+    # added as it loads (`_dynamic_scale_rblock`), in every process, and then benchmarks its
+    # configs; torch 2.11 reads a `.best_config` back only when it names a config of the
+    # kernel's compiled list (2.13 rebuilds others: `_reconstruct_triton_config`), so such a
+    # kernel benchmarked again in every process, the bake's proof and every pod's first request
+    # included (H100, llm-default at batch 16 x seq 2048: the RMSNorm after the embedding, two
+    # configs at 0.093 and 0.094 ms). Without the added config a restored process reads each
+    # kernel's tuning result back.
     "TORCHINDUCTOR_DYNAMIC_SCALE_RBLOCK": "0",
 }
 # What every served process runs with, outside Inductor's cache key (kiln.env, activate(),
@@ -138,11 +139,10 @@ def compile_env(spec: CompiledSpec) -> dict[str, str]:
     """Environment the bake compiles under and every serving process must share.
 
     :data:`COMPILE_DEFAULTS` (and :data:`GPU_COMPILE_DEFAULTS` on a GPU), the spec's ``env``
-    (its keys passed
-    :func:`~kiln.envrules.env_key_problem` when it parsed) over them, and for automatic or
-    dynamic shapes a pinned ``TORCH_COMPILE_JOB_ID``: the PGO profile torch writes during the
-    bake is keyed by job id, so a pod reads back the one the bake wrote, unless the spec chose
-    an id itself. The manifest records the result as its ``env``.
+    (its keys passed :func:`~kiln.envrules.env_key_problem` when it parsed) over them, and for
+    automatic or dynamic shapes a pinned ``TORCH_COMPILE_JOB_ID``: the PGO profile torch
+    writes during the bake is keyed by job id, so a pod reads back the one the bake wrote,
+    unless the spec chose an id itself. The manifest records the result as its ``env``.
     """
     defaults = COMPILE_DEFAULTS | (GPU_COMPILE_DEFAULTS if spec.model.device == "cuda" else {})
     env = defaults | spec.compile_env()
