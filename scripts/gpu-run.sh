@@ -66,6 +66,11 @@ if [ "$what" = bake ]; then
 m = m.get("manifest", m); p = m.get("proof") or {}
 print(m["name"], "passes", [x["compiles"] for x in m.get("passes", [])], "proof", p.get("compiles"),
       "bytes", sys.argv[1])' "$(stat -c %s "$a")"
+    # A file comes back from the device machine only up to 16 MiB: larger artifacts (one with
+    # the torch bytecode is ~27 MiB) in parts, joined here with `cat SPEC.kiln.tar.zst.* > ...`.
+    if [ "$(stat -c %s "$a")" -gt $((15 * 1024 * 1024)) ]; then
+      split -b 15M -d "$a" "$a." && rm "$a"
+    fi
   done
   exit 0
 fi
