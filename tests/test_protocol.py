@@ -16,7 +16,7 @@ from pydantic import ValidationError
 from rich.console import Console
 
 import kiln
-from kiln.artifact.manifest import NEW_FILES_SAMPLE, BucketStats, CompileCounts
+from kiln.artifact.manifest import MAX_TUNED, NEW_FILES_SAMPLE, BucketStats, CompileCounts
 from kiln.cli.output import Output
 from kiln.compiler.bench import ALL_MODES, EXTRA_MODES, MODES
 from kiln.compiler.counters import CompileCounters, compile_counts
@@ -181,6 +181,14 @@ def test_bucket_compiles_count_what_a_step_built() -> None:
     assert stats.compiles == 1 + 1 + 8 + 1  # FX miss, binary, autotunes, precompile miss
     many = CompileCounts(new_files=[f"{i}.so" for i in range(10)])
     assert len((many + many).new_files) == NEW_FILES_SAMPLE
+    # Kernels benchmarked are named where a served process benchmarked them (a miss), kept to
+    # MAX_TUNED however many steps add up; a bake pass tunes by design and names none.
+    tuned = [f"triton_red_{i} (2 configs)" for i in range(MAX_TUNED)]
+    served = compile_counts(
+        CompileCounters(kernel_tunings=1), set(), served=True, benchmarked=tuned
+    )
+    assert served.tuned_kernels == tuned and (served + served).tuned_kernels == tuned
+    assert compile_counts(CompileCounters(), set(), benchmarked=tuned).tuned_kernels == []
 
 
 def test_counts_named_alike_are_carried_as_measured() -> None:

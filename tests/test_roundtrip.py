@@ -134,6 +134,18 @@ def test_explain_tells_a_key_miss_from_kernel_rebuilds() -> None:
         "process built, tuned or wrote: triton_per_fused_mean_1.cubin, "
         "triton_per_fused_mean_2.cubin)"
     )
+    # A served process that benchmarked a kernel's launch configs names the kernel.
+    benchmarked = BucketStats(
+        **base,
+        steady_s=0.001,
+        fx_hits=1,
+        kernel_tunings=1,
+        tuned_kernels=["triton_red_fused_mean_6 (2 configs)"],
+    )
+    assert explain(benchmarked) == (
+        "batch=1: 1 compile(s): 1 kernel's configs benchmarked (every graph hit; the process "
+        "built, tuned or wrote: benchmarked triton_red_fused_mean_6 (2 configs))"
+    )
     missed = BucketStats(
         **base, steady_s=0.001, fx_misses=1, recompile_reasons=retuned.recompile_reasons
     )

@@ -152,6 +152,7 @@ class FileEntry(_Model):
 
 NEW_FILES_SAMPLE = 12  # file names kept per bucket: enough to say which kernels were built
 MAX_FRAMES = 64  # Dynamo frames named per bucket
+MAX_TUNED = 16  # kernels named per bucket whose launch configs a served process benchmarked
 MAX_GRAPH_BREAKS = 256  # distinct graph breaks a manifest lists
 _MAX_TEXT = 500  # characters of a reason or a location
 
@@ -287,6 +288,8 @@ class CompileCounts(_Model):
     # Kernels whose launch configs were benchmarked at run time (Inductor's autotuner): a served
     # process should read the bake's choice instead.
     kernel_tunings: int = 0
+    # Those kernels by name, in a served process ("NAME (N configs)"): which one to look at.
+    tuned_kernels: list[str] = Field(default_factory=list, max_length=MAX_TUNED)
     launchers: int = 0  # native helpers built with gcc at run time (Triton launchers, headers)
     written: int = 0  # other files a served process added or rewrote where it must not
     precompile_misses: int = 0  # calls no precompiled graph accepted (torch.compile fell back)
@@ -312,6 +315,7 @@ class CompileCounts(_Model):
         summed = {name: getattr(self, name) + getattr(other, name) for name in names}
         summed["new_files"] = summed["new_files"][:NEW_FILES_SAMPLE]
         summed["frames"] = list(dict.fromkeys(summed["frames"]))[:MAX_FRAMES]
+        summed["tuned_kernels"] = summed["tuned_kernels"][:MAX_TUNED]
         return CompileCounts(**summed)
 
 

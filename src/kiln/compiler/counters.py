@@ -15,7 +15,7 @@ from collections.abc import Collection, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from kiln.artifact.manifest import MAX_FRAMES, NEW_FILES_SAMPLE, CompileCounts
+from kiln.artifact.manifest import MAX_FRAMES, MAX_TUNED, NEW_FILES_SAMPLE, CompileCounts
 from kiln.compiler.writes import KERNEL, LAUNCHER, OTHER, TUNING, kind_of
 
 # Inductor's run-time tuning steps (``dynamo_timed`` names): each run is one kernel benchmarked
@@ -101,10 +101,12 @@ def compile_counts(
     recompile_reasons: Sequence[str] = (),
     precompile_misses: int = 0,
     frames: Sequence[str] = (),
+    benchmarked: Sequence[str] = (),
 ) -> CompileCounts:
     """From a counter difference and the files the step wrote: new files in the cache root
     (a bake pass), or, ``served``, everything a served process wrote where it must not
-    (:mod:`kiln.compiler.writes`), each of which is a miss."""
+    (:mod:`kiln.compiler.writes`), each of which is a miss, and the kernels it benchmarked by
+    name (``benchmarked``; a bake pass tunes by design, and its manifest names none)."""
     kinds = {KERNEL: 0, LAUNCHER: 0, TUNING: 0, OTHER: 0}
     for name in new_files:
         kinds[kind_of(name)] += 1
@@ -125,6 +127,7 @@ def compile_counts(
         precompile_misses=precompile_misses,
         recompile_reasons=list(recompile_reasons),
         frames=list(frames)[:MAX_FRAMES],
+        tuned_kernels=list(benchmarked)[:MAX_TUNED] if served else [],
         new_files=sorted(n for n in new_files if served or kind_of(n) != OTHER)[:NEW_FILES_SAMPLE],
     )
 

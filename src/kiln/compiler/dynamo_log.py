@@ -1,7 +1,8 @@
-"""What Dynamo said while a step ran: recompiles, graph breaks and the frames it traced.
+"""What Dynamo said while a step ran: recompiles, graph breaks and the frames it traced; and
+which kernels Inductor's autotuner benchmarked.
 
 Torch's counters say *how many* graphs compiled; only its logs say *why* and *where*. kiln keeps
-three of them, through logging handlers rather than by scraping stderr:
+four of them, through logging handlers rather than by scraping stderr:
 
 - recompiles (``torch._dynamo.guards.__recompiles``): the guard that failed, for verify's reasons;
 - graph breaks (``torch._dynamo.symbolic_convert.__graph_breaks``): the file:line and torch's
@@ -9,7 +10,11 @@ three of them, through logging handlers rather than by scraping stderr:
   since serving data may reach a frame after the break that the bake's inputs never did;
 - frames (the "torchdynamo start compiling" debug line of ``torch._dynamo.convert_frame``): which
   code objects Dynamo traced, so a miss in ``torch_dynamo_resume_in_forward_at_42`` can be tied
-  to the data-dependent break at line 42.
+  to the data-dependent break at line 42;
+- kernels benchmarked (the "Benchmark all input configs for NAME" debug line of
+  ``torch._inductor.runtime.triton_heuristics``, then one line per config): torch's metrics
+  count the runs but name no kernel, and llm-default's every process benchmarking one kernel
+  took a probe on the GPU to name (H100, 2026-12-06); a served process's line now names it.
 
 The parsing is plain text work (:func:`parse_graph_break`) so that it is tested without torch.
 """
@@ -20,12 +25,17 @@ import logging
 import re
 from dataclasses import dataclass, field
 
-from kiln.artifact.manifest import GraphBreak
+from kiln.artifact.manifest import MAX_TUNED, GraphBreak
 
 _RECOMPILES = "torch._dynamo.guards.__recompiles"
 _GRAPH_BREAKS = "torch._dynamo.symbolic_convert.__graph_breaks"
 _CONVERT_FRAME = "torch._dynamo.convert_frame"
 _FRAME_START = "torchdynamo start compiling"
+_AUTOTUNER = "torch._inductor.runtime.triton_heuristics"
+# CachingAutotuner.benchmark_all_configs's debug lines (torch 2.11 to 2.13): a header naming the
+# kernel, then one line per config benchmarked.
+_BENCHMARK_START = "Benchmark all input configs for %s, get:"
+_BENCHMARK_CONFIG = "%s: %f, nreg %d, nspill %d, #shared-mem %s"
 
 _WHERE = re.compile(r"in user code at (.+?:\d+)")
 _REASON = re.compile(r"Graph Break Reason:\s*(.+)")
@@ -117,14 +127,34 @@ class _KeepFrameStarts(logging.Filter):
         return False
 
 
+class _KeepBenchmarks(logging.Filter):
+    """Lets the autotuner's benchmark lines reach kiln alone (a kernel's name and how many of
+    its configs ran), and the logger's other records only at the level it printed before."""
+
+    def __init__(self, sink: list[list], threshold: int) -> None:
+        super().__init__()
+        self.sink, self.threshold = sink, threshold
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if record.levelno >= self.threshold:
+            return True
+        args = record.args if isinstance(record.args, tuple) else ()
+        if record.msg == _BENCHMARK_START and args:
+            self.sink.append([str(args[0])[:_FIRST_LINE_LIMIT], 0])
+        elif record.msg == _BENCHMARK_CONFIG and self.sink:
+            self.sink[-1][1] += 1
+        return False
+
+
 class DynamoLog:
-    """The three logs, collected for the whole process; :meth:`mark` and the ``since`` methods
+    """The four logs, collected for the whole process; :meth:`mark` and the ``since`` methods
     slice them per step."""
 
     def __init__(self) -> None:
         self._recompiles = _Handler()
         self._breaks = _Handler()
         self._frames = _Handler()
+        self._benchmarks: list[list] = []  # [kernel name, configs benchmarked], in order
 
     def install(self) -> DynamoLog:
         """Turn the artifacts on (recompiles and graph breaks print to stderr as well, which the
@@ -138,19 +168,32 @@ class DynamoLog:
         threshold = frames.getEffectiveLevel()
         frames.setLevel(logging.DEBUG)
         frames.addFilter(_KeepFrameStarts(self._frames, threshold))
+        autotuner = logging.getLogger(_AUTOTUNER)
+        threshold = autotuner.getEffectiveLevel()
+        autotuner.setLevel(logging.DEBUG)
+        autotuner.addFilter(_KeepBenchmarks(self._benchmarks, threshold))
         return self
 
-    def mark(self) -> tuple[int, int, int]:
-        return len(self._recompiles.sink), len(self._breaks.sink), len(self._frames.sink)
+    def mark(self) -> tuple[int, int, int, int]:
+        return (
+            len(self._recompiles.sink),
+            len(self._breaks.sink),
+            len(self._frames.sink),
+            len(self._benchmarks),
+        )
 
-    def recompiles_since(self, mark: tuple[int, int, int]) -> list[str]:
+    def benchmarked_since(self, mark: tuple[int, int, int, int]) -> list[str]:
+        """Each kernel whose launch configs were benchmarked: ``NAME (N configs)``."""
+        return [f"{name} ({n} configs)" for name, n in self._benchmarks[mark[3] :]][:MAX_TUNED]
+
+    def recompiles_since(self, mark: tuple[int, int, int, int]) -> list[str]:
         return [r.getMessage() for r in self._recompiles.sink[mark[0] :]]
 
-    def breaks_since(self, mark: tuple[int, int, int]) -> list[GraphBreak]:
+    def breaks_since(self, mark: tuple[int, int, int, int]) -> list[GraphBreak]:
         parsed = (parse_graph_break(r.getMessage()) for r in self._breaks.sink[mark[1] :])
         return [b for b in parsed if b is not None]
 
-    def frames_since(self, mark: tuple[int, int, int]) -> list[str]:
+    def frames_since(self, mark: tuple[int, int, int, int]) -> list[str]:
         out = []
         for record in self._frames.sink[mark[2] :]:
             args = record.args if isinstance(record.args, tuple) else ()

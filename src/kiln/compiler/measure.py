@@ -138,5 +138,6 @@ class Meter:
             recompile_reasons=reasons,
             precompile_misses=misses,
             frames=traced,
+            benchmarked=self.dynamo.benchmarked_since(mark),
         )
         return value, compiles

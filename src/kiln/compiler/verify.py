@@ -154,8 +154,11 @@ def explain(
             hint += f"; Dynamo traced it because {why}"
     else:
         names = sorted({PurePosixPath(n).name for n in b.new_files})[:3]
+        what_ran = [", ".join(names)] if names else []
+        if b.tuned_kernels:  # which kernel to look at, not just how many
+            what_ran.append("benchmarked " + ", ".join(b.tuned_kernels[:3]))
         hint = "every graph hit; the process built, tuned or wrote" + (
-            f": {', '.join(names)}" if names else " at run time"
+            f": {'; '.join(what_ran)}" if what_ran else " at run time"
         )
     return f"{b.key}: {b.compiles} compile(s): {what} ({hint})"
 

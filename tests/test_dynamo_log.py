@@ -1,0 +1,70 @@
+"""What torch logs while a step runs, kept by kiln (kiln.compiler.dynamo_log): here, which
+kernels Inductor's autotuner benchmarked, so that a served process's miss names them."""
+
+from __future__ import annotations
+
+import inspect
+import logging
+from collections.abc import Iterator
+
+import pytest
+
+from kiln.compiler import dynamo_log
+from kiln.compiler.dynamo_log import DynamoLog
+
+_LOGGERS = (dynamo_log._CONVERT_FRAME, dynamo_log._AUTOTUNER)
+
+
+@pytest.fixture
+def installed() -> Iterator[DynamoLog]:
+    """A DynamoLog installed as a served process installs it; this process's logging as it was
+    afterwards (the xdist worker runs other tests)."""
+    import torch
+
+    before = {name: logging.getLogger(name).level for name in _LOGGERS}
+    log = DynamoLog().install()
+    yield log
+    for name, level in before.items():
+        logger = logging.getLogger(name)
+        logger.setLevel(level)
+        for f in list(logger.filters):
+            logger.removeFilter(f)
+    torch._logging.set_logs()
+
+
+class _Seen(logging.Handler):
+    def __init__(self) -> None:
+        super().__init__(logging.DEBUG)
+        self.messages: list[str] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.messages.append(record.getMessage())
+
+
+def test_the_autotuners_benchmarks_are_named_and_not_printed(installed) -> None:
+    """The autotuner's own debug lines name the kernel, then one line per config; kiln keeps
+    them per step and passes none of them on to a handler, while the logger's warnings pass."""
+    mark = installed.mark()
+    autotuner = logging.getLogger(dynamo_log._AUTOTUNER)
+    seen = _Seen()  # what reaches handlers: the logger's filters have run
+    autotuner.addHandler(seen)
+    autotuner.debug(dynamo_log._BENCHMARK_START, "triton_red_fused_mean_6")
+    for r0 in (1024, 512):
+        config = f"XBLOCK: 2, R0_BLOCK: {r0}, num_warps: 8"
+        autotuner.debug(dynamo_log._BENCHMARK_CONFIG, config, 0.093, 40, 0, 0)
+    autotuner.debug("Triton cache dir: %s", "/elsewhere")
+    autotuner.warning("a warning of the autotuner")
+    assert installed.benchmarked_since(mark) == ["triton_red_fused_mean_6 (2 configs)"]
+    assert installed.benchmarked_since(installed.mark()) == []
+    autotuner.removeHandler(seen)
+    assert seen.messages == ["a warning of the autotuner"]
+
+
+def test_the_lines_kiln_reads_are_the_installed_torchs() -> None:
+    """The two messages kiln keys on, as this torch's autotuner words them (2.11 printed on the
+    H100 says the same): a torch that rewords them fails here, not silently in a pod."""
+    from torch._inductor.runtime.triton_heuristics import CachingAutotuner
+
+    source = inspect.getsource(CachingAutotuner.benchmark_all_configs)
+    assert f'"{dynamo_log._BENCHMARK_START}", self.fn.__name__' in source
+    assert f'"{dynamo_log._BENCHMARK_CONFIG}"' in source
