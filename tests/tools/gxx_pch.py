@@ -71,24 +71,38 @@ def real_compiler(env: dict[str, str]) -> str:
     raise SystemExit("g++ (tests/tools): no real g++ on PATH")
 
 
+def _parse(args: list[str]) -> tuple[list[str], list[str], str | None] | None:
+    """A command's inputs, its other arguments less ``-o`` and its value, and that value (None
+    without ``-o``); None for a command whose meaning this does not follow (preprocessing
+    only, dependency output, ``-imacros``, a response file)."""
+    inputs: list[str] = []
+    options: list[str] = []
+    output = None
+    rest = iter(args)
+    for arg in rest:
+        if arg == "-o":
+            output = next(rest, None)
+        elif arg.startswith(("-imacros", "-E", "-M", "@")):
+            return None
+        elif arg in _TAKES_VALUE or arg in ("-x", "-include"):
+            options += [arg, next(rest, "")]
+        elif arg.startswith("-"):
+            options.append(arg)
+        else:
+            inputs.append(arg)
+    return inputs, options, output
+
+
 def one_source(args: list[str]) -> tuple[list[str], str | None] | None:
     """For a build of one ``.cpp`` source (the first argument): its other arguments, less
     ``-o`` and its value, and that value (None without ``-o``); None for any other shape (more
     inputs, or an option that changes what the source means)."""
-    if not args or not args[0].endswith(".cpp"):
+    parsed = _parse(args)
+    if parsed is None or not args or parsed[0] != args[:1] or not args[0].endswith(".cpp"):
         return None
-    options: list[str] = []
-    output = None
-    rest = iter(args[1:])
-    for arg in rest:
-        if arg == "-o":
-            output = next(rest, None)
-        elif arg.startswith(_OTHER_SHAPES) or not arg.startswith("-"):
-            return None
-        elif arg in _TAKES_VALUE:
-            options += [arg, next(rest, "")]
-        else:
-            options.append(arg)
+    _, options, output = parsed
+    if any(o.startswith(_OTHER_SHAPES) for o in options):
+        return None
     return options, output
 
 
@@ -129,34 +143,24 @@ def _key(gxx: str, options: list[str], root: Path) -> str:
     return hashlib.sha256("\0".join([*parts, *options]).encode()).hexdigest()[:32]
 
 
-def _object_or_header(args: list[str]) -> tuple[Path, list[str], str] | None:
-    """For AOTInductor's builds of one file into one output (``-c`` a wrapper or kernel into an
-    object; ``-x c++-header`` the header it precompiles): the input, the other arguments (an
+def _one_output(args: list[str]) -> tuple[Path, list[str], str] | None:
+    """For a build of one file into one output (a library; an object, as AOTInductor compiles
+    its wrappers and kernels; a precompiled header): the input, the other arguments (an
     ``-include``d file named by its bytes, not its folder, which is a fresh temporary one in
-    every bake) and the output; None for any other shape."""
-    inputs: list[str] = []
-    options: list[str] = []
-    output = None
-    rest = iter(args)
-    for arg in rest:
-        if arg == "-o":
-            output = next(rest, None)
-        elif arg == "-include":
-            included = Path(next(rest, ""))
-            digest = hashlib.sha256(included.read_bytes()).hexdigest()
-            options += [arg, f"{included.name}:{digest}"]
-        elif arg.startswith(("-imacros", "-E", "-M", "@")):
-            return None
-        elif arg in _TAKES_VALUE or arg == "-x":
-            options += [arg, next(rest, "")]
-        elif arg.startswith("-"):
-            options.append(arg)
-        else:
-            inputs.append(arg)
-    header = options[options.index("-x") + 1] == "c++-header" if "-x" in options else False
-    if len(inputs) != 1 or output is None or not (header or "-c" in options):
+    every AOT bake) and the output; None for any other shape."""
+    parsed = _parse(args)
+    if parsed is None:
         return None
-    return Path(inputs[0]), options, output
+    inputs, options, output = parsed
+    header = "-x" in options and options[options.index("-x") + 1] == "c++-header"
+    if len(inputs) != 1 or output is None or not ({"-shared", "-c"} & set(options) or header):
+        return None
+    keyed = list(options)
+    for i, option in enumerate(options[:-1]):
+        if option == "-include":
+            included = Path(options[i + 1])
+            keyed[i + 1] = f"{included.name}:{hashlib.sha256(included.read_bytes()).hexdigest()}"
+    return Path(inputs[0]), keyed, output
 
 
 def built(gxx: str, args: list[str]) -> tuple[Path, Path] | None:
@@ -165,19 +169,14 @@ def built(gxx: str, args: list[str]) -> tuple[Path, Path] | None:
     name and the installs the headers come from (:func:`_installs`); and the output's path.
     None for any other build. A system header changed in place (not by a compiler or torch
     install) is not seen: the folder lives in the test venv, which ``make clean`` removes."""
-    build = one_source(args)
-    library = build is not None and build[1] is not None and "-shared" in build[0]
-    if library:
-        source, (options, output) = Path(args[0]), build
-    else:
-        aot = _object_or_header(args)
-        if aot is None:
-            return None
-        source, options, output = aot
+    build = _one_output(args)
+    if build is None:
+        return None
+    source, options, output = build
+    # AOTInductor's sources end with their own build commands, as comments, which name the
+    # bake's temporary folders: the code before them is what g++ compiles.
     code = source.read_bytes()
-    if not library:  # AOTInductor's sources end with their own build commands, as comments,
-        # which name the bake's temporary folders; the code before them is what g++ compiles
-        code = b"\n".join(ln for ln in code.split(b"\n") if not ln.startswith(b"// g++ "))
+    code = b"\n".join(ln for ln in code.split(b"\n") if not ln.startswith(b"// g++ "))
     digest = hashlib.sha256(code)
     parts = [source.name, Path(output).name, *_installs(gxx, options), *options]
     digest.update("\0".join(parts).encode())
