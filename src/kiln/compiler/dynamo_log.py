@@ -23,9 +23,10 @@ from __future__ import annotations
 
 import logging
 import re
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from kiln.artifact.manifest import MAX_TUNED, GraphBreak
+from kiln.artifact.manifest import GraphBreak
 
 _RECOMPILES = "torch._dynamo.guards.__recompiles"
 _GRAPH_BREAKS = "torch._dynamo.symbolic_convert.__graph_breaks"
@@ -111,39 +112,28 @@ class _Handler(logging.Handler):
     __hash__ = logging.Handler.__hash__
 
 
-class _KeepFrameStarts(logging.Filter):
-    """Lets the frame-start debug line reach kiln's handler only: the rest of that logger's
-    debug output would bury the worker's log."""
+class _DebugTap(logging.Filter):
+    """On a logger set to DEBUG: hands each record below the level it printed at before to
+    ``take`` (which keeps what kiln reads) and passes it no further, so that the rest of that
+    logger's debug output does not bury the worker's log; records at that level go on."""
 
-    def __init__(self, handler: _Handler, threshold: int) -> None:
+    def __init__(self, take: Callable[[logging.LogRecord], object], threshold: int) -> None:
         super().__init__()
-        self.handler, self.threshold = handler, threshold
+        self.take, self.threshold = take, threshold
 
     def filter(self, record: logging.LogRecord) -> bool:
         if record.levelno >= self.threshold:
             return True
-        if isinstance(record.msg, str) and record.msg.startswith(_FRAME_START):
-            self.handler.emit(record)
+        self.take(record)
         return False
 
 
-class _KeepBenchmarks(logging.Filter):
-    """Lets the autotuner's benchmark lines reach kiln alone (a kernel's name and how many of
-    its configs ran), and the logger's other records only at the level it printed before."""
-
-    def __init__(self, sink: list[list], threshold: int) -> None:
-        super().__init__()
-        self.sink, self.threshold = sink, threshold
-
-    def filter(self, record: logging.LogRecord) -> bool:
-        if record.levelno >= self.threshold:
-            return True
-        args = record.args if isinstance(record.args, tuple) else ()
-        if record.msg == _BENCHMARK_START and args:
-            self.sink.append([str(args[0])[:_FIRST_LINE_LIMIT], 0])
-        elif record.msg == _BENCHMARK_CONFIG and self.sink:
-            self.sink[-1][1] += 1
-        return False
+def _tap(name: str, take: Callable[[logging.LogRecord], object]) -> None:
+    """Turn logger ``name``'s DEBUG records on, for ``take`` alone (:class:`_DebugTap`)."""
+    logger = logging.getLogger(name)
+    tap = _DebugTap(take, logger.getEffectiveLevel())
+    logger.setLevel(logging.DEBUG)
+    logger.addFilter(tap)
 
 
 class DynamoLog:
@@ -153,7 +143,7 @@ class DynamoLog:
     def __init__(self) -> None:
         self._recompiles = _Handler()
         self._breaks = _Handler()
-        self._frames = _Handler()
+        self._frames: list[logging.LogRecord] = []
         self._benchmarks: list[list] = []  # [kernel name, configs benchmarked], in order
 
     def install(self) -> DynamoLog:
@@ -164,27 +154,33 @@ class DynamoLog:
         torch._logging.set_logs(recompiles=True, graph_breaks=True)
         logging.getLogger(_RECOMPILES).addHandler(self._recompiles)
         logging.getLogger(_GRAPH_BREAKS).addHandler(self._breaks)
-        frames = logging.getLogger(_CONVERT_FRAME)
-        threshold = frames.getEffectiveLevel()
-        frames.setLevel(logging.DEBUG)
-        frames.addFilter(_KeepFrameStarts(self._frames, threshold))
-        autotuner = logging.getLogger(_AUTOTUNER)
-        threshold = autotuner.getEffectiveLevel()
-        autotuner.setLevel(logging.DEBUG)
-        autotuner.addFilter(_KeepBenchmarks(self._benchmarks, threshold))
+        _tap(_CONVERT_FRAME, self._take_frame_start)
+        _tap(_AUTOTUNER, self._take_benchmark)
         return self
+
+    def _take_frame_start(self, record: logging.LogRecord) -> None:
+        if isinstance(record.msg, str) and record.msg.startswith(_FRAME_START):
+            self._frames.append(record)
+
+    def _take_benchmark(self, record: logging.LogRecord) -> None:
+        """The autotuner's header names a kernel; each config line after it is one benchmark."""
+        args = record.args if isinstance(record.args, tuple) else ()
+        if record.msg == _BENCHMARK_START and args:
+            self._benchmarks.append([str(args[0])[:_FIRST_LINE_LIMIT], 0])
+        elif record.msg == _BENCHMARK_CONFIG and self._benchmarks:
+            self._benchmarks[-1][1] += 1
 
     def mark(self) -> tuple[int, int, int, int]:
         return (
             len(self._recompiles.sink),
             len(self._breaks.sink),
-            len(self._frames.sink),
+            len(self._frames),
             len(self._benchmarks),
         )
 
     def benchmarked_since(self, mark: tuple[int, int, int, int]) -> list[str]:
         """Each kernel whose launch configs were benchmarked: ``NAME (N configs)``."""
-        return [f"{name} ({n} configs)" for name, n in self._benchmarks[mark[3] :]][:MAX_TUNED]
+        return [f"{name} ({n} configs)" for name, n in self._benchmarks[mark[3] :]]
 
     def recompiles_since(self, mark: tuple[int, int, int, int]) -> list[str]:
         return [r.getMessage() for r in self._recompiles.sink[mark[0] :]]
@@ -195,7 +191,7 @@ class DynamoLog:
 
     def frames_since(self, mark: tuple[int, int, int, int]) -> list[str]:
         out = []
-        for record in self._frames.sink[mark[2] :]:
+        for record in self._frames[mark[2] :]:
             args = record.args if isinstance(record.args, tuple) else ()
             if len(args) >= 3:
                 name, filename, line = args[:3]
