@@ -194,7 +194,7 @@ def activate(
     # own) once torch/version.py names the baked build; the full check below, which needs
     # torch, then keeps it or takes it back. An artifact of another build serves nothing
     # before its check.
-    early = None if torch_loaded else _bytecode_before_torch(manifest, cache, notes)
+    early = None if torch_loaded else _bytecode_before_torch(manifest, layout.bytecode, notes)
     try:
         import torch
 
@@ -212,16 +212,16 @@ def activate(
                 compat,
                 notes,
                 stacklevel=3,
-                bytecode_from=cache if early else None,
+                stop_bytecode=layout.bytecode if early else None,
             )
     except BaseException:  # the import or the check failed: leave imports as they were
         if early:
-            bytecode.stop(CacheLayout(cache).bytecode)
+            bytecode.stop(layout.bytecode)
         raise
     # Not tried before torch (another build, or torch imported first): the artifact's bytecode
     # serves every import from here on (Dynamo, Inductor) only once the check passed.
     if manifest.bytecode and early is None and (activation.check is None or activation.check.ok):
-        notes.extend(_use_bytecode(CacheLayout(cache).bytecode))
+        notes.extend(_use_bytecode(layout.bytecode))
     limit = max(torch._dynamo.config.recompile_limit, 2 * len(manifest.grid) + 2)
     torch._dynamo.config.recompile_limit = activation.recompile_limit = limit
     if megacache:
@@ -269,16 +269,16 @@ def _judge(
     notes: list[str],
     *,
     stacklevel: int,
-    bytecode_from: Path | None = None,
+    stop_bytecode: Path | None = None,
 ) -> None:
     """Act on a compatibility check as ``compat`` says: raise on a miss for "fail", else warn
-    (at ``stacklevel`` from here) and note it. Either way, imports stop coming from the
-    bytecode of ``bytecode_from`` (an artifact activate() took it from before the check, for
-    the torch build its manifest names)."""
+    (at ``stacklevel`` from here) and note it. Either way, imports stop coming from
+    ``stop_bytecode`` (an artifact's bytecode, which activate() served before the check for the
+    torch build its manifest names)."""
     if report.ok:
         return
-    if bytecode_from is not None:
-        bytecode.stop(CacheLayout(bytecode_from).bytecode)
+    if stop_bytecode is not None:
+        bytecode.stop(stop_bytecode)
     if compat == "fail":
         raise report.error()
     message = report.miss_message()
@@ -309,7 +309,8 @@ def _activate_aoti(activation: Activation, compat: Compat, early: bool | None) -
     process without Inductor can know (kiln.factors.AOTI_KEY_FACTORS) and nothing else; no
     Dynamo settings, no Mega-Cache, no Inductor import or worker pool (the packages need none).
     ``early``: what :func:`_bytecode_before_torch` did."""
-    manifest, rank, cache = activation.manifest, activation.rank, activation.cache_dir
+    manifest, rank = activation.manifest, activation.rank
+    shipped = CacheLayout(activation.cache_dir).bytecode
     report = None
     if compat != "ignore":
         from kiln.compiler.fingerprint import fingerprint
@@ -324,16 +325,16 @@ def _activate_aoti(activation: Activation, compat: Compat, early: bool | None) -
             compat,
             activation.warnings,
             stacklevel=4,
-            bytecode_from=cache if early else None,
+            stop_bytecode=shipped if early else None,
         )
     if manifest.bytecode and early is None and (report is None or report.ok):  # as activate()
-        activation.warnings.extend(_use_bytecode(CacheLayout(cache).bytecode))
+        activation.warnings.extend(_use_bytecode(shipped))
     for note in activation.warnings:
         log.warning("kiln: %s", note)
     return activation
 
 
-def _bytecode_before_torch(manifest: Manifest, cache: Path, notes: list[str]) -> bool | None:
+def _bytecode_before_torch(manifest: Manifest, folder: Path, notes: list[str]) -> bool | None:
     """Serve the artifact's bytecode from ``import torch`` on, when torch's own build (read
     from torch/version.py, :data:`kiln.factors.BUILD_FACTORS`) is the one the artifact baked:
     True when this call set it up, False when it tried and :func:`kiln.bytecode.use` declined
@@ -347,7 +348,6 @@ def _bytecode_before_torch(manifest: Manifest, cache: Path, notes: list[str]) ->
     baked = manifest.fingerprint
     if here is None or any(baked.get(k, here[k]) != here[k] for k in BUILD_FACTORS):
         return None
-    folder = CacheLayout(cache).bytecode
     notes.extend(_use_bytecode(folder))
     return bytecode.serving(folder)
 
