@@ -60,6 +60,29 @@ def test_the_autotuners_benchmarks_are_named_and_not_printed(installed) -> None:
     assert seen.messages == ["a warning of the autotuner"]
 
 
+class _Config:
+    """Like triton.Config, which Inductor logs as a record's message (``log.debug(c)``): its
+    ``__eq__`` fails against anything but a Config."""
+
+    def __eq__(self, other: object) -> bool:
+        return other.all_kwargs() == {}  # type: ignore[attr-defined]
+
+    __hash__ = object.__hash__
+
+
+def test_a_record_kiln_cannot_read_never_fails_torchs_call(installed) -> None:
+    """Both taps see every debug record of their logger, objects included; one they cannot read
+    is dropped (an exception there was an InductorError in the middle of a GPU bake)."""
+    mark = installed.mark()
+    for name in _LOGGERS:
+        logging.getLogger(name).debug(_Config())
+    autotuner = logging.getLogger(dynamo_log._AUTOTUNER)
+    autotuner.debug(dynamo_log._BENCHMARK_START, "triton_poi_fused_0")
+    autotuner.debug(_Config())
+    assert installed.benchmarked_since(mark) == ["triton_poi_fused_0 (0 configs)"]
+    assert installed.frames_since(mark) == []
+
+
 def test_the_lines_kiln_reads_are_the_installed_torchs() -> None:
     """The two messages kiln keys on, as this torch's autotuner words them (2.11 printed on the
     H100 says the same): a torch that rewords them fails here, not silently in a pod."""

@@ -21,6 +21,7 @@ The parsing is plain text work (:func:`parse_graph_break`) so that it is tested 
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import re
 from collections.abc import Callable
@@ -115,7 +116,11 @@ class _Handler(logging.Handler):
 class _DebugTap(logging.Filter):
     """On a logger set to DEBUG: hands each record below the level it printed at before to
     ``take`` (which keeps what kiln reads) and passes it no further, so that the rest of that
-    logger's debug output does not bury the worker's log; records at that level go on."""
+    logger's debug output does not bury the worker's log; records at that level go on.
+
+    The tap runs inside torch's own calls (Inductor's autotuner logs mid-compile), so nothing it
+    does may raise there: a record it cannot read is dropped. torch logs objects as well as
+    format strings (``log.debug(config)``, whose ``__eq__`` raises against a string)."""
 
     def __init__(self, take: Callable[[logging.LogRecord], object], threshold: int) -> None:
         super().__init__()
@@ -124,7 +129,8 @@ class _DebugTap(logging.Filter):
     def filter(self, record: logging.LogRecord) -> bool:
         if record.levelno >= self.threshold:
             return True
-        self.take(record)
+        with contextlib.suppress(Exception):  # see the class docstring
+            self.take(record)
         return False
 
 
@@ -164,6 +170,8 @@ class DynamoLog:
 
     def _take_benchmark(self, record: logging.LogRecord) -> None:
         """The autotuner's header names a kernel; each config line after it is one benchmark."""
+        if not isinstance(record.msg, str):
+            return
         args = record.args if isinstance(record.args, tuple) else ()
         if record.msg == _BENCHMARK_START and args:
             self._benchmarks.append([str(args[0])[:_FIRST_LINE_LIMIT], 0])
