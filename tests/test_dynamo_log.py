@@ -8,6 +8,8 @@ import logging
 from collections.abc import Iterator
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from kiln.compiler import dynamo_log
 from kiln.compiler.dynamo_log import DynamoLog
@@ -81,6 +83,56 @@ def test_a_record_kiln_cannot_read_never_fails_torchs_call(installed) -> None:
     autotuner.debug(_Config())
     assert installed.benchmarked_since(mark) == ["triton_poi_fused_0 (0 configs)"]
     assert installed.frames_since(mark) == []
+
+
+class _Hostile:
+    """An object every comparison or string conversion of which raises."""
+
+    def __eq__(self, other: object) -> bool:
+        raise RuntimeError("eq")
+
+    def __str__(self) -> str:
+        raise RuntimeError("str")
+
+    __hash__ = object.__hash__
+
+
+_MESSAGES = st.one_of(
+    st.sampled_from([dynamo_log._BENCHMARK_START, dynamo_log._BENCHMARK_CONFIG]),
+    st.sampled_from([dynamo_log._FRAME_START]).map(lambda m: m + " %s %s %s"),
+    st.text(max_size=40),
+    st.builds(_Hostile),
+    st.builds(_Config),
+    st.none(),
+    st.integers(),
+)
+_ARGS = st.one_of(
+    st.none(),
+    st.lists(st.one_of(st.text(max_size=20), st.integers(), st.builds(_Hostile)), max_size=6).map(
+        tuple
+    ),
+    st.dictionaries(st.text(max_size=5), st.integers(), max_size=2),
+)
+
+
+@settings(max_examples=200, deadline=None, derandomize=True, database=None)
+@given(records=st.lists(st.tuples(_MESSAGES, _ARGS, st.sampled_from([10, 20, 30])), max_size=8))
+def test_any_record_passes_through_both_taps_without_raising(records) -> None:
+    """Whatever torch logs, as whatever message and arguments, a tap returns whether to pass the
+    record on (debug records never, the rest always) and never raises into torch's call."""
+    log = DynamoLog()
+    taps = [
+        dynamo_log._DebugTap(take, logging.INFO)
+        for take in (log._take_frame_start, log._take_benchmark)
+    ]
+    for msg, args, level in records:
+        record = logging.LogRecord("torch", level, __file__, 1, msg, None, None)
+        record.args = args  # as logging keeps them, a tuple or one mapping
+        for tap in taps:
+            assert tap.filter(record) is (level >= logging.INFO)
+    mark = (0, 0, 0, 0)
+    assert all(isinstance(name, str) for name in log.benchmarked_since(mark))
+    assert all(isinstance(frame, str) for frame in log.frames_since(mark))
 
 
 def test_the_lines_kiln_reads_are_the_installed_torchs() -> None:

@@ -149,7 +149,7 @@ class DynamoLog:
     def __init__(self) -> None:
         self._recompiles = _Handler()
         self._breaks = _Handler()
-        self._frames: list[logging.LogRecord] = []
+        self._frames: list[str] = []  # "NAME FILE:LINE" of each frame Dynamo started on
         self._benchmarks: list[list] = []  # [kernel name, configs benchmarked], in order
 
     def install(self) -> DynamoLog:
@@ -165,8 +165,12 @@ class DynamoLog:
         return self
 
     def _take_frame_start(self, record: logging.LogRecord) -> None:
-        if isinstance(record.msg, str) and record.msg.startswith(_FRAME_START):
-            self._frames.append(record)
+        """Read as it comes, inside the tap: what torch handed in is read where a failure to
+        read it is dropped (:class:`_DebugTap`), not later in kiln's report."""
+        args = record.args if isinstance(record.args, tuple) else ()
+        if isinstance(record.msg, str) and record.msg.startswith(_FRAME_START) and len(args) >= 3:
+            name, filename, line = args[:3]
+            self._frames.append(f"{name} {filename}:{line}")
 
     def _take_benchmark(self, record: logging.LogRecord) -> None:
         """The autotuner's header names a kernel; each config line after it is one benchmark."""
@@ -198,10 +202,4 @@ class DynamoLog:
         return [b for b in parsed if b is not None]
 
     def frames_since(self, mark: tuple[int, int, int, int]) -> list[str]:
-        out = []
-        for record in self._frames[mark[2] :]:
-            args = record.args if isinstance(record.args, tuple) else ()
-            if len(args) >= 3:
-                name, filename, line = args[:3]
-                out.append(f"{name} {filename}:{line}")
-        return list(dict.fromkeys(out))
+        return list(dict.fromkeys(self._frames[mark[2] :]))
