@@ -39,6 +39,9 @@ _AUTOTUNER = "torch._inductor.runtime.triton_heuristics"
 _BENCHMARK_START = "Benchmark all input configs for %s, get:"
 _BENCHMARK_CONFIG = "%s: %f, nreg %d, nspill %d, #shared-mem %s"
 
+# Where each log stood (recompiles, graph breaks, frames, benchmarks): DynamoLog.mark().
+Mark = tuple[int, int, int, int]
+
 _WHERE = re.compile(r"in user code at (.+?:\d+)")
 _REASON = re.compile(r"Graph Break Reason:\s*(.+)")
 _GB_ID = re.compile(r"\b(?:gb|GB)(\d{4})\b")
@@ -182,7 +185,7 @@ class DynamoLog:
         elif record.msg == _BENCHMARK_CONFIG and self._benchmarks:
             self._benchmarks[-1][1] += 1
 
-    def mark(self) -> tuple[int, int, int, int]:
+    def mark(self) -> Mark:
         return (
             len(self._recompiles.sink),
             len(self._breaks.sink),
@@ -190,16 +193,16 @@ class DynamoLog:
             len(self._benchmarks),
         )
 
-    def benchmarked_since(self, mark: tuple[int, int, int, int]) -> list[str]:
+    def benchmarked_since(self, mark: Mark) -> list[str]:
         """Each kernel whose launch configs were benchmarked: ``NAME (N configs)``."""
         return [f"{name} ({n} configs)" for name, n in self._benchmarks[mark[3] :]]
 
-    def recompiles_since(self, mark: tuple[int, int, int, int]) -> list[str]:
+    def recompiles_since(self, mark: Mark) -> list[str]:
         return [r.getMessage() for r in self._recompiles.sink[mark[0] :]]
 
-    def breaks_since(self, mark: tuple[int, int, int, int]) -> list[GraphBreak]:
+    def breaks_since(self, mark: Mark) -> list[GraphBreak]:
         parsed = (parse_graph_break(r.getMessage()) for r in self._breaks.sink[mark[1] :])
         return [b for b in parsed if b is not None]
 
-    def frames_since(self, mark: tuple[int, int, int, int]) -> list[str]:
+    def frames_since(self, mark: Mark) -> list[str]:
         return list(dict.fromkeys(self._frames[mark[2] :]))
