@@ -202,7 +202,7 @@ def activate(
             cache, env, None, None, None, manifest, notes, layout.dir, device_index, rank
         )
         if manifest.aoti is not None:
-            return _activate_aoti(activation, compat, early)
+            return _activate_aoti(activation, compat, early, layout.bytecode)
         if torch_loaded:
             _follow_env(env, notes)
         if compat != "ignore":
@@ -304,13 +304,14 @@ def _load_megacache(
     return loaded
 
 
-def _activate_aoti(activation: Activation, compat: Compat, early: bool | None) -> Activation:
+def _activate_aoti(
+    activation: Activation, compat: Compat, early: bool | None, shipped: Path
+) -> Activation:
     """activate() for a ``compile.route: aoti`` artifact: the compatibility check on what a
     process without Inductor can know (kiln.factors.AOTI_KEY_FACTORS) and nothing else; no
     Dynamo settings, no Mega-Cache, no Inductor import or worker pool (the packages need none).
-    ``early``: what :func:`_bytecode_before_torch` did."""
+    ``early``: what :func:`_bytecode_before_torch` did with ``shipped``, the artifact's bytecode."""
     manifest, rank = activation.manifest, activation.rank
-    shipped = CacheLayout(activation.cache_dir).bytecode
     report = None
     if compat != "ignore":
         from kiln.compiler.fingerprint import fingerprint
