@@ -5,6 +5,8 @@
 # Wheels for what the machine lacks come from `make gpu-wheels` (carry .whl).
 # BENCH_MODES=eager,cold,kiln,megacache,copied,kiln-blob,kiln-serial picks bench modes;
 # BENCH_REPEAT=3 runs each served mode three times (medians with their range).
+# BENCH_WORKDIR=/tmp/bw keeps the bakes there: a next call on the still-warm machine (e.g. with
+# WITH_BYTECODE=1) reuses them instead of baking again.
 # Writes logs and JSON to $OUT (or ./out/gpu) and prints a short table last.
 set -uo pipefail
 OUT=${OUT:-out/gpu}
@@ -116,7 +118,7 @@ for spec in "$@"; do
   name=$(basename "$spec" .yaml)
   if [ $((BUDGET_S - SECONDS)) -lt "$MIN_LEFT_S" ]; then echo "skip $name: ${SECONDS}s used"; continue; fi
   COLUMNS=160 python3 -m kiln bench "$spec" -q --modes "${BENCH_MODES:-eager,cold,kiln,megacache,copied}" \
-    --repeat "${BENCH_REPEAT:-1}" --save "$OUT/bench-$name.json" > "$OUT/bench-$name.txt" \
+    --repeat "${BENCH_REPEAT:-1}" ${BENCH_WORKDIR:+--workdir "$BENCH_WORKDIR"} --save "$OUT/bench-$name.json" > "$OUT/bench-$name.txt" \
     2> "$OUT/bench-$name.err" || { echo "bench $name failed"; tail -20 "$OUT/bench-$name.err"; }
 done
 # The short table: time to ready (median and range) and start-up per mode, per spec.
