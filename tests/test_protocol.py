@@ -132,6 +132,8 @@ def test_compile_counters_read_torch_own_counters() -> None:
     bumps = {
         ("inductor", "fxgraph_cache_miss"): 2,
         ("aot_autograd", "autograd_cache_hit"): 1,
+        ("aot_autograd", "total"): 2,
+        ("aot_autograd", "ok"): 1,
         ("inductor", "async_compile_cache_miss"): 4,
         ("graph_break", "a reason"): 3,
     }
@@ -149,7 +151,14 @@ def test_compile_counters_read_torch_own_counters() -> None:
         for name in timings:
             compilation_time_metrics[name].pop()
     assert diff == CompileCounters(
-        fx_misses=2, aot_hits=1, kernel_loads=4, graph_breaks=3, compile_s=1.5, kernel_tunings=1
+        fx_misses=2,
+        aot_hits=1,
+        aot_runs=2,
+        aot_finished=1,
+        kernel_loads=4,
+        graph_breaks=3,
+        compile_s=1.5,
+        kernel_tunings=1,
     )
     assert CompileCounters.read() == before
 
@@ -199,7 +208,26 @@ def test_counts_named_alike_are_carried_as_measured() -> None:
     counts = compile_counts(diff, set())
     shared = {f.name for f in fields} & set(CompileCounts.model_fields)
     assert shared >= {"fx_hits", "fx_misses", "aot_misses", "kernel_loads", "compile_s"}
-    assert {n: getattr(counts, n) for n in shared} == {n: getattr(diff, n) for n in shared}
+    # but AOT misses, which count the lookups AOTAutograd went on to compile (next test)
+    carried = shared - {"aot_misses"}
+    assert {n: getattr(counts, n) for n in carried} == {n: getattr(diff, n) for n in carried}
+    assert counts.aot_misses == diff.aot_compiles
+
+
+def test_an_aot_lookup_a_dynamo_restart_abandoned_is_no_compile() -> None:
+    """``dynamic=True``: Dynamo traces a graph with symbolic floats, AOTAutograd looks it up
+    (a miss: that graph is never finished, so never saved), then the scalars are specialized
+    and the frame traced again, which hits. torch counts the run started, neither finished nor
+    failed; a served process that only did that compiled nothing."""
+    restarted = CompileCounters(aot_misses=1, aot_hits=1, fx_hits=1, aot_runs=2, aot_finished=1)
+    assert restarted.aot_compiles == 0
+    assert compile_counts(restarted, set(), served=True).compiles == 0
+    # The same restart in a cold process, whose second trace missed and compiled for real.
+    cold = CompileCounters(aot_misses=2, fx_misses=1, aot_runs=2, aot_finished=1)
+    assert compile_counts(cold, set()).aot_misses == 1
+    # A failed run (not_ok) is no restart: its miss stays a miss; so does one without a run.
+    failed = CompileCounters(aot_misses=1, aot_runs=1, aot_failed=1)
+    assert failed.aot_compiles == 1 and CompileCounters(aot_misses=1).aot_compiles == 1
 
 
 # --- events --------------------------------------------------------------------------------------

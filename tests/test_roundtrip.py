@@ -18,6 +18,7 @@ from kiln.compiler.verify import ROUTES, explain
 from kiln.errors import KilnError
 from kiln.serving import served_torch_kwargs, torch_kwargs
 from tests.conftest import MODELS, mlp_spec
+from tests.first_process import serve_like_a_user
 
 pytestmark = pytest.mark.slow
 
@@ -231,6 +232,36 @@ def test_automatic_dynamic_is_order_independent(write_spec, tmp_path: Path) -> N
     for seed, routes in ((1, ROUTES), (2, ("plain",))):
         report = kiln.verify(spec_path, dest, order="shuffle", seed=seed, routes=routes)
         assert report.ok, (report.order, report.reasons())
+
+
+def test_dynamic_true_serves_with_zero_compiles(write_spec, tmp_path: Path) -> None:
+    """``dynamic: true`` traces the tiny GPT's Python float constants (its rotary base, a
+    ``pow(2.0)``) symbolic first, then specializes them and traces again, in every process: the
+    first trace's AOT lookup always misses and compiles nothing. A served process that hit
+    everything else compiled nothing, and verify and a user's own server say so (they counted
+    that lookup as a compile, and failed every such spec)."""
+    spec_path = write_spec(
+        f"name: sym-gpt\nmodel:\n  factory: {MODELS}:tiny_gpt\n"
+        "  kwargs: {vocab: 64, dim: 16, layers: 1, heads: 2}\n"
+        "compile:\n  dynamic: true\ninputs:\n"
+        "  - {name: input_ids, shape: [batch, seq], dtype: int64, fill: randint, high: 64}\n"
+        "buckets:\n  batch: [2, 3]\n  seq: [8]\nwarmup: {calls: 2}\n"
+    )
+    result = kiln.bake(spec_path, tmp_path / "sym.kiln.tar.zst", prove=False)  # verify proves
+    assert result.manifest.compile_kwargs["dynamic"] is True
+    dest = tmp_path / "cache"
+    kiln.restore(result.artifact, dest)
+    report = kiln.verify(spec_path, dest, order="reverse", routes=("plain",))
+    assert report.ok, report.reasons()
+    # The user's server in the run's environment: the bake's Inductor trusted the CPU's ISA
+    # flags (tests/conftest.py), a setting in Inductor's cache key that a fresh pod would share.
+    shared = {k: v for k, v in os.environ.items() if k == "TORCHINDUCTOR_VEC_ISA_OK"}
+    served = serve_like_a_user(spec_path, dest, tmp_path / "user", order="reverse", env=shared)
+    assert served.returncode == 0, served.stderr
+    assert served.work() == {} and not served.dest, served.summary()
+    # What was discounted is really there: torch counted the lookup as a miss.
+    first = served.buckets[0]["counters"]["aot_autograd"]
+    assert first.get("autograd_cache_miss") == 1 and first.get("autograd_cache_hit") == 1, first
 
 
 def test_autotuning_spec_round_trip(write_spec, tmp_path: Path) -> None:

@@ -44,6 +44,15 @@ class CompileCounters:
     fx_bypass: int = _counter("inductor", "fxgraph_cache_bypass")
     aot_hits: int = _counter("aot_autograd", "autograd_cache_hit")
     aot_misses: int = _counter("aot_autograd", "autograd_cache_miss")
+    # AOTAutograd's runs: started, finished, failed. One started that neither finished nor
+    # failed was cut short by Dynamo restarting its trace (TensorifyScalarRestartAnalysis, the
+    # only exception torch lets through uncounted): with ``dynamic=True`` a model's Python float
+    # constants (a RoPE base, a ``pow(2.0)``) are traced symbolic first, then specialized and
+    # traced again, in every process. The first run looked its graph up and missed, as it always
+    # will (that graph is never finished, so never saved): not compile work a cache can ship.
+    aot_runs: int = _counter("aot_autograd", "total")
+    aot_finished: int = _counter("aot_autograd", "ok")
+    aot_failed: int = _counter("aot_autograd", "not_ok")
     # Kernels handed to AsyncCompile: in a fresh process that is every kernel *loaded*, hit or
     # not (torch bumps "async_compile_cache_miss" before looking anything up).
     kernel_loads: int = _counter("inductor", "async_compile_cache_miss")
@@ -88,6 +97,13 @@ class CompileCounters:
         )
 
     @property
+    def aot_compiles(self) -> int:
+        """AOT cache misses that AOTAutograd went on to compile: less those whose run a Dynamo
+        restart abandoned (see ``aot_runs``)."""
+        restarted = self.aot_runs - self.aot_finished - self.aot_failed
+        return self.aot_misses - min(self.aot_misses, max(0, restarted))
+
+    @property
     def graphs_compiled(self) -> int:
         """FX graphs compiled here rather than loaded (a bypass compiles too)."""
         return self.fx_misses + self.fx_bypass
@@ -112,7 +128,7 @@ def compile_counts(
         kinds[kind_of(name)] += 1
     native, tuned = kinds[KERNEL], kinds[TUNING]
     return CompileCounts(
-        **_shared(diff),
+        **_shared(diff) | {"aot_misses": diff.aot_compiles},
         # A bundled kernel is written out of an FX entry: a load, even though a file appears.
         new_native=max(0, native - diff.bundled_kernels),
         # An FX cache hit *replays* the inductor counters its compile recorded
