@@ -40,7 +40,7 @@ from kiln.compiler.devices import join_group, setup_device, synchronizer
 from kiln.compiler.dynamo_log import DynamoLog, merge_breaks
 from kiln.compiler.forwards import make_forward
 from kiln.compiler.launch import ignore_numpy_warning
-from kiln.compiler.measure import Forward, Meter, Phases
+from kiln.compiler.measure import CLOCK, Forward, Meter, Phases
 from kiln.compiler.megacache import both, load_megacache, save_caches
 from kiln.compiler.model_import import build_model, make_inputs
 from kiln.compiler.protocol import (
@@ -96,7 +96,8 @@ def _start_up(request: WorkerRequest, clock: Phases) -> _Ready:
     ``kiln.activate()``), the device and process group, a Mega-Cache loaded, Dynamo watched,
     Inductor prepared, the model built and made callable as ``request`` asks."""
     watch = _watch(request)
-    started = watch.snapshot() if watch else None  # before torch: its import may write too
+    with CLOCK.looking():  # before torch: its import may write too
+        started = watch.snapshot() if watch else None
     activation = _activate(request)  # a server calling kiln.activate() does so first
     import torch  # noqa: F401 - timed here, as a server's own import
 
@@ -119,7 +120,7 @@ def _start_up(request: WorkerRequest, clock: Phases) -> _Ready:
     clock.mark(_setup_phase(forward))
     meter = Meter(request.cache_root, dynamo, forward, watch, started)
     return _Ready(
-        spec, buckets, device, joined, loaded, model, forward, meter, torch_import_s, time.time()
+        spec, buckets, device, joined, loaded, model, forward, meter, torch_import_s, CLOCK.now()
     )
 
 
@@ -137,10 +138,10 @@ def run(request: WorkerRequest) -> WorkerResult:
     order = [ready.buckets[k] for k in request.order]
     with torch.inference_mode():
         firsts = grid.first_pass(order)
-        first_pass_done = time.time()
+        first_pass_done = CLOCK.now()
         _emit(FirstPassDone())
         warms = grid.warm_pass(order, request, calls=_calls(request, spec))
-    warm_done = time.time()
+    warm_done = CLOCK.now()
     saved = save_caches(request, forward)
     building = request.aoti_build is not None
     ranks.leave(ready.joined)
