@@ -16,7 +16,7 @@ from rich.console import Console
 
 from kiln.artifact.manifest import WORK_KINDS, BucketStats
 from kiln.cli.output import report_error
-from kiln.cli.render import bench_view, factor, ms, verify_failure, work_cell
+from kiln.cli.render import bench_view, factor, ms, restart_note, verify_failure, work_cell
 from kiln.compiler.bench import BenchReport, ModeResult
 from kiln.compiler.verify import VerifyReport, explain
 from kiln.errors import VerificationError
@@ -334,3 +334,15 @@ def test_a_work_cell_names_each_kind_of_compile_work_by_its_word() -> None:
     assert work_cell(dict.fromkeys(WORK_KINDS, 0)) == "0"
     bucket = BucketStats(key="b=1", sizes={"b": 1}, first_call_s=0, steady_s=0, **work)
     assert bucket.compiles == 7
+
+
+def test_a_first_call_traced_twice_is_explained_not_counted() -> None:
+    """A bucket whose trace Dynamo restarted compiled nothing, and verify says where its first
+    call's time went; buckets without a restart add no line."""
+    base = {"sizes": {"b": 1}, "first_call_s": 9.6, "steady_s": 0.001}
+    twice = BucketStats(key="b=16", aot_restarts=1, aot_hits=1, **base)
+    once = BucketStats(key="b=4", aot_hits=1, **base)
+    assert twice.compiles == 0
+    note = restart_note([once, twice])
+    assert note is not None and note.startswith("traced twice, not compiled: b=16 (")
+    assert "dynamic: true" in note and restart_note([once]) is None

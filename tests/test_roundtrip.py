@@ -253,6 +253,7 @@ def test_dynamic_true_serves_with_zero_compiles(write_spec, tmp_path: Path) -> N
     kiln.restore(result.artifact, dest)
     report = kiln.verify(spec_path, dest, order="reverse", routes=("plain",))
     assert report.ok, report.reasons()
+    assert report.buckets[0].aot_restarts == 1 and report.buckets[0].compiles == 0
     # The user's server in the run's environment: the bake's Inductor trusted the CPU's ISA
     # flags (tests/conftest.py), a setting in Inductor's cache key that a fresh pod would share.
     shared = {k: v for k, v in os.environ.items() if k == "TORCHINDUCTOR_VEC_ISA_OK"}

@@ -277,6 +277,10 @@ class CompileCounts(_Model):
     fx_bypass: int = 0
     aot_hits: int = 0
     aot_misses: int = 0
+    # AOTAutograd runs cut short by Dynamo restarting its trace (``dynamic: true`` specializing
+    # a float constant): no compile, but the first call traced twice, which is where its time
+    # went (kiln.compiler.counters).
+    aot_restarts: int = 0
     # Kernels handed to AsyncCompile: in a fresh process that is every kernel *loaded*, cache hit
     # or not (torch bumps its "async_compile_cache_miss" counter before looking anything up).
     kernel_loads: int = 0

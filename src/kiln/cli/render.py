@@ -150,6 +150,19 @@ def bucket_table(buckets: list[BucketStats], title: str, *, verify: bool = False
     return table
 
 
+def restart_note(buckets: list[BucketStats]) -> str | None:
+    """Why a first call with nothing compiled took seconds: Dynamo traced it twice (ccache's
+    rule: a cache says where the time went, not only whether it hit)."""
+    restarted = [b.key for b in buckets if b.aot_restarts]
+    if not restarted:
+        return None
+    shown = ", ".join(restarted[:3]) + (f" +{len(restarted) - 3}" if len(restarted) > 3 else "")
+    return (
+        f"traced twice, not compiled: {shown} (Dynamo restarted the trace to specialize a float "
+        "constant, as `dynamic: true` does in every process; `dynamic: false` avoids it)"
+    )
+
+
 def graph_break_table(breaks: list[GraphBreak]) -> Table:
     """Every place Dynamo split the model, torch's reason, and whether it depends on data."""
     table = Table(title=count(len(breaks), "graph break"), title_justify="left")

@@ -16,6 +16,7 @@ from kiln.cli.render import (
     factor_table,
     ms,
     print_table,
+    restart_note,
     verify_failure,
 )
 from kiln.errors import KilnError, VerificationError
@@ -153,6 +154,8 @@ def _verified_view(c: Console, o: Output, report: VerifyReport, spec: Path, orde
     title = f"verify {report.name} ({order.value} order, {' and '.join(report.routes)})"
     print_table(c, bucket_table(report.buckets, title, verify=True))
     c.print(f"ready in {ms(report.time_to_ready_s)} (process start → every bucket ran once)")
+    if note := restart_note(report.buckets):
+        c.print(note)
     if report.extra.get("precompile_load_s") is not None:
         loaded = ms(report.extra["precompile_load_s"])
         if report.extra.get("route") == "aoti":

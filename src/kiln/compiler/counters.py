@@ -97,11 +97,15 @@ class CompileCounters:
         )
 
     @property
+    def aot_restarts(self) -> int:
+        """AOTAutograd runs a Dynamo restart abandoned (see ``aot_runs``)."""
+        return max(0, self.aot_runs - self.aot_finished - self.aot_failed)
+
+    @property
     def aot_compiles(self) -> int:
-        """AOT cache misses that AOTAutograd went on to compile: less those whose run a Dynamo
-        restart abandoned (see ``aot_runs``)."""
-        restarted = self.aot_runs - self.aot_finished - self.aot_failed
-        return self.aot_misses - min(self.aot_misses, max(0, restarted))
+        """AOT cache misses that AOTAutograd went on to compile: less the lookups of the runs a
+        restart abandoned."""
+        return self.aot_misses - min(self.aot_misses, self.aot_restarts)
 
     @property
     def graphs_compiled(self) -> int:
@@ -128,7 +132,7 @@ def compile_counts(
         kinds[kind_of(name)] += 1
     native, tuned = kinds[KERNEL], kinds[TUNING]
     return CompileCounts(
-        **_shared(diff) | {"aot_misses": diff.aot_compiles},
+        **_shared(diff) | {"aot_misses": diff.aot_compiles, "aot_restarts": diff.aot_restarts},
         # A bundled kernel is written out of an FX entry: a load, even though a file appears.
         new_native=max(0, native - diff.bundled_kernels),
         # An FX cache hit *replays* the inductor counters its compile recorded
