@@ -346,3 +346,10 @@ def test_a_first_call_traced_twice_is_explained_not_counted() -> None:
     note = restart_note([once, twice])
     assert note is not None and note.startswith("traced twice, not compiled: b=16 (")
     assert "dynamic: true" in note and restart_note([once]) is None
+    # bench says it under the table, per mode that traced twice
+    report = bench_report()
+    report.modes["kiln"].buckets = [twice]
+    out = io.StringIO()
+    bench_view(Console(file=out, width=200, color_system=None), report)
+    lines = [x for x in out.getvalue().splitlines() if "traced twice" in x]
+    assert lines == [f"kiln: {note}"]

@@ -428,5 +428,8 @@ def bench_view(console: Console, report: BenchReport) -> None:
             ),
             soft_wrap=True,
         )
+    for name, mode in report.modes.items():
+        if name != "cold" and (note := restart_note(mode.buckets)):
+            console.print(plain(f"{name}: {note}"), soft_wrap=True)
     if report.extra.get("bytecode"):
         console.print(f"note: {esc(report.extra['bytecode'])}", soft_wrap=True)
