@@ -488,6 +488,7 @@ class _Baker:
         baked into an entry, or a kernel one pass happened to build and the next loads from a
         place restore does not fill would all pass a check of the work folder.
         """
+        missed: list[str] = []
         for attempt in range(MAX_REBAKES + 1):
             report, wall_s = self._serve_packed(manifest, attempt)
             proof = ProofStats(
@@ -498,15 +499,21 @@ class _Baker:
             )
             if report.ok:
                 return self.manifest(proof)
-            if attempt == MAX_REBAKES or self.spec.compile.route == "aoti":
-                break  # packages are complete once built: another pass would add nothing
+            # A re-bake after which the proof misses exactly what it missed before wrote entries
+            # that no process hits (a model that differs per process, a kernel tuned in every
+            # process): another would cost a pass and a proof (minutes on a GPU) for the same.
+            stuck = bool(missed) and report.reasons() == missed
+            if stuck or attempt == MAX_REBAKES or self.spec.compile.route == "aoti":
+                break  # (aoti: packages are complete once built: another pass would add nothing)
+            missed = report.reasons()
             self.run_pass(report.order, len(self.runs) + 1)
             manifest = self.manifest()
+        same = " (the last changed nothing it missed)" if stuck else ""
         warning = (
             f"the bake's proof (a fresh process serving the packed artifact restored at another "
             f"path, in a new order) still compiled {proof.compiles} time(s) after "
-            f"{proof.rebakes} re-bake(s): {'; '.join(report.reasons()[:3])}. Serving will compile "
-            "too; `kiln verify` will fail"
+            f"{proof.rebakes} re-bake(s){same}: {'; '.join(report.reasons()[:3])}. Serving will "
+            "compile too; `kiln verify` will fail"
         )
         if strict:
             raise VerificationError(
