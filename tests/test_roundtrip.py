@@ -370,12 +370,11 @@ def test_precompiled_forwards_skip_dynamo_and_fall_back_off_grid(
     text = mlp_spec("pre-mlp").replace("  dynamic: false", "  dynamic: false\n  fullgraph: true")
     text = text.replace("fullgraph: true", "fullgraph: true\n  precompile: true")
     spec_path = write_spec(text)
-    result = kiln.bake(spec_path, tmp_path / "pre.kiln.tar.zst")
+    # No proof: the verify below serves both routes as the proof would (two processes fewer).
+    result = kiln.bake(spec_path, tmp_path / "pre.kiln.tar.zst", prove=False)
     # Two automatic passes: the first saves the forwards, the second the plain route's entries;
-    # so the proof compiles nothing and nothing is re-baked (one pass: 2 processes more).
+    # so both routes below hit (one pass would leave the plain route to a re-bake).
     assert len(result.manifest.passes) == 2
-    assert result.manifest.proof is not None and result.manifest.proof.compiles == 0
-    assert result.manifest.proof.rebakes == 0
     assert result.manifest.precompiled == "precompiled.bin"
     assert result.manifest.bytes_by_kind()["precompile"][0] == 1
     dest = tmp_path / "else" / "cache"
