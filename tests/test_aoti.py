@@ -85,7 +85,8 @@ def test_two_ranks_serve_their_packages_with_collectives(tmp_path: Path, cli) ->
     its packages under ranks/R/aoti; verify serves both ranks through kiln.activate()."""
     spec = tmp_path / "spec.yaml"
     spec.write_text(tp_aoti_spec())
-    result = kiln.bake(spec, tmp_path / "tp.kiln.tar.zst")
+    # No proof: the verify below serves both ranks as the proof would (one torchrun fewer).
+    result = kiln.bake(spec, tmp_path / "tp.kiln.tar.zst", prove=False)
     assert result is not None
     m = result.manifest
     assert m.distributed is not None and m.aoti is not None
@@ -93,7 +94,6 @@ def test_two_ranks_serve_their_packages_with_collectives(tmp_path: Path, cli) ->
     assert all(a is not None and len(a.programs) == 2 for a in ranks)
     assert {f.kind for f in m.files} == {"aoti"}
     assert all(f.path.startswith(("ranks/0/aoti/", "ranks/1/aoti/")) for f in m.files)
-    assert m.proof is not None and m.proof.compiles == 0
     kiln.restore(result.artifact, tmp_path / "restored")
     run = cli("verify", spec, "--cache", tmp_path / "restored", "--json")
     assert run.returncode == 0, run.stderr[-3000:]
