@@ -102,9 +102,10 @@ SPEC = (
 
 @pytest.fixture(scope="session")
 def enc_baked(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Any]:
-    """One proven bake of the encoder, shared by this module's slow tests: each restores it
-    into its own folder (the spec's folder holds encmod.py, the module the frames name)."""
-    return bake_once(tmp_path_factory, "frames-enc", SPEC, {"encmod.py": ENCODER})
+    """One bake of the encoder, shared by this module's slow tests: each restores it into its
+    own folder (the spec's folder holds encmod.py, the module the frames name). Unproven: the
+    first test serves both routes from a fresh restore, as the proof would (two processes)."""
+    return bake_once(tmp_path_factory, "frames-enc", SPEC, {"encmod.py": ENCODER}, prove=False)
 
 
 def _spec(tmp_path: Path) -> Path:
@@ -133,13 +134,11 @@ def test_graph_break_model_serves_its_saved_frames_without_tracing(enc_baked, tm
     assert manifest.precompiled_frames is not None
     assert manifest.precompiled_frames.module == "encmod"
     assert manifest.precompiled is None  # not the AOT route: the model has a graph break
-    assert manifest.proof is not None and manifest.proof.compiles == 0, manifest.proof
     assert any(b.where == "encmod.py:20" for b in manifest.graph_breaks)
 
     cache = tmp_path / "elsewhere" / "cache"
     kiln.restore(artifact, cache)
-    # The activate route, the one that loads the frames (the bake's proof served both routes,
-    # and the plain one is served below).
+    # The activate route, the one that loads the frames (the plain one is served below).
     report = kiln.verify(spec, cache=cache, routes=("activate",))
     assert report.ok, report
     # No bucket traced a frame: today's folder route traces 2 per bucket (before and after
