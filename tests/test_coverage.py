@@ -109,7 +109,8 @@ def test_data_dependent_break_is_warned_about_and_verify_names_it(
     data takes the other side, verify names that break instead of some guard."""
     spec = _spec(tmp_path, "branchy", BRANCHY, "{sign: 1}", "ones", calls=2)
     artifact = tmp_path / "branchy.kiln.tar.zst"
-    proc = cli("bake", spec, "-o", artifact, "--json")
+    # Unproven: the warning is the bake's own, and verify below serves (one process fewer).
+    proc = cli("bake", spec, "-o", artifact, "--json", "--no-prove")
     assert proc.returncode == 0, proc.stderr[-2000:]
     summary = json.loads(proc.stdout)
     (warning,) = summary["warnings"]
@@ -120,7 +121,6 @@ def test_data_dependent_break_is_warned_about_and_verify_names_it(
     assert manifest.warnings == [warning]
     (gb,) = [b for b in manifest.graph_breaks if b.data_dependent]
     assert gb.where == "branchy.py:11" and gb.reason == "Data-dependent branching"
-    assert manifest.proof is not None and manifest.proof.compiles == 0  # the same data path
 
     dest = tmp_path / "served" / "cache"
     kiln.restore(artifact, dest)
