@@ -5,10 +5,11 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from kiln.artifact.manifest import PassStats
-from kiln.compiler.bake import _pass_count, _unsettled
+from kiln.artifact.manifest import BucketStats, PassStats
+from kiln.compiler.bake import _missed, _pass_count, _unsettled
 from kiln.compiler.launch import WorkerRun
 from kiln.compiler.protocol import WorkerResult
+from kiln.compiler.verify import VerifyReport
 from kiln.spec import Spec, load_spec
 from tests.conftest import mlp_spec
 
@@ -47,3 +48,30 @@ def test_a_compiling_last_pass_is_a_warning_past_the_passes_that_compile_by_desi
     assert _unsettled(pre, *passes(9, 2, 0)) == []
     (warning,) = _unsettled(pre, *passes(9, 2, 1))
     assert "after 3 fresh-process passes" in warning
+
+
+def test_a_proof_missing_the_same_in_another_order_is_stuck() -> None:
+    """The bake stops re-baking when the next proof misses what the last did: judged per bucket
+    and kind of work, not by the proof's reason lines, which change with the order (torch names
+    the shape it traced before)."""
+
+    def proof(order: list[int], fx: dict[int, int], folder: tuple[str, ...] = ()) -> VerifyReport:
+        buckets = [
+            BucketStats(
+                key=f"batch={b}",
+                sizes={"batch": b},
+                first_call_s=1.0,
+                steady_s=0.1,
+                fx_misses=fx.get(b, 0),
+                recompile_reasons=[f"size mismatch: expected {order[i - 1]}"] if i else [],
+            )
+            for i, b in enumerate(order)
+        ]
+        keys = [b.key for b in buckets]
+        return VerifyReport("m", keys, buckets, None, 1.0, 1.0, True, folder_changes=list(folder))
+
+    first, again = proof([2, 3, 5], {2: 1, 3: 1}), proof([5, 3, 2], {2: 1, 3: 1})
+    assert first.reasons() != again.reasons() and _missed(first) == _missed(again)
+    assert _missed(first) != _missed(proof([5, 3, 2], {2: 1, 3: 2}))  # more work: moved
+    assert _missed(first) != _missed(proof([3, 2, 5], {2: 1}))  # a bucket filled: moved
+    assert _missed(first) != _missed(proof([2, 3, 5], {2: 1, 3: 1}, ["added: inductor/x"]))

@@ -40,6 +40,7 @@ from kiln.artifact.archive import sha256_file, source_date_epoch, write_artifact
 from kiln.artifact.manifest import (
     MAX_GRAPH_BREAKS,
     RANKS_FORMAT,
+    WORK_KINDS,
     Aoti,
     Bytecode,
     Distributed,
@@ -488,7 +489,7 @@ class _Baker:
         baked into an entry, or a kernel one pass happened to build and the next loads from a
         place restore does not fill would all pass a check of the work folder.
         """
-        missed: list[str] = []
+        missed: list[tuple[str, tuple[int, ...]]] | None = None
         for attempt in range(MAX_REBAKES + 1):
             report, wall_s = self._serve_packed(manifest, attempt)
             proof = ProofStats(
@@ -502,10 +503,10 @@ class _Baker:
             # A re-bake after which the proof misses exactly what it missed before wrote entries
             # that no process hits (a model that differs per process, a kernel tuned in every
             # process): another would cost a pass and a proof (minutes on a GPU) for the same.
-            stuck = bool(missed) and report.reasons() == missed
+            stuck = missed is not None and _missed(report) == missed
             if stuck or attempt == MAX_REBAKES or self.spec.compile.route == "aoti":
                 break  # (aoti: packages are complete once built: another pass would add nothing)
-            missed = report.reasons()
+            missed = _missed(report)
             self.run_pass(report.order, len(self.runs) + 1)
             manifest = self.manifest()
         same = " (the last changed nothing it missed)" if stuck else ""
@@ -741,3 +742,11 @@ def _unsettled(spec: Spec, runs: list[WorkerRun], pass_stats: list[PassStats]) -
         "model reads per-process state (a global, a random value, a path), a Dynamo restart "
         "that torch does not cache, or a grad-mode/dtype mismatch"
     ]
+
+
+def _missed(report: VerifyReport) -> list[tuple[str, tuple[int, ...]]]:
+    """What a proof missed, per bucket (of each route served) and kind of work, whatever order
+    it served in: each proof takes a new order, and torch's recompile reasons name the shape
+    traced before, so the proof's reason lines differ where the misses do not."""
+    work = [(b.key, tuple(getattr(b, kind) for kind in WORK_KINDS)) for b in report.failing]
+    return sorted(work + [(f"folder: {change}", ()) for change in report.folder_changes])
