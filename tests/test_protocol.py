@@ -205,6 +205,9 @@ def test_counts_named_alike_are_carried_as_measured() -> None:
     measured difference itself (one name, one meaning, on both sides of the process boundary)."""
     fields = dataclasses.fields(CompileCounters)
     diff = CompileCounters(**{f.name: i + 1 for i, f in enumerate(fields)})
+    restarts = diff.aot_bypass + 2  # two abandoned lookups beyond the step's bypasses
+    diff = dataclasses.replace(diff, aot_runs=diff.aot_finished + diff.aot_failed + restarts)
+    assert 0 < diff.aot_compiles < diff.aot_misses
     counts = compile_counts(diff, set())
     shared = {f.name for f in fields} & set(CompileCounts.model_fields)
     assert shared >= {"fx_hits", "fx_misses", "aot_misses", "kernel_loads", "compile_s"}
@@ -229,6 +232,9 @@ def test_an_aot_lookup_a_dynamo_restart_abandoned_is_no_compile() -> None:
     # A failed run (not_ok) is no restart: its miss stays a miss; so does one without a run.
     failed = CompileCounters(aot_misses=1, aot_runs=1, aot_failed=1)
     assert failed.aot_compiles == 1 and CompileCounters(aot_misses=1).aot_compiles == 1
+    # An abandoned lookup that bypassed the cache: the step's one miss is another graph's.
+    bypassed = CompileCounters(aot_misses=1, aot_bypass=1, aot_runs=2, aot_finished=1)
+    assert bypassed.aot_compiles == 1
 
 
 # --- events --------------------------------------------------------------------------------------

@@ -50,6 +50,7 @@ class CompileCounters:
     # constants (a RoPE base, a ``pow(2.0)``) are traced symbolic first, then specialized and
     # traced again, in every process. The first run looked its graph up and missed, as it always
     # will (that graph is never finished, so never saved): not compile work a cache can ship.
+    aot_bypass: int = _counter("aot_autograd", "autograd_cache_bypass")
     aot_runs: int = _counter("aot_autograd", "total")
     aot_finished: int = _counter("aot_autograd", "ok")
     aot_failed: int = _counter("aot_autograd", "not_ok")
@@ -104,8 +105,11 @@ class CompileCounters:
     @property
     def aot_compiles(self) -> int:
         """AOT cache misses that AOTAutograd went on to compile: less the lookups of the runs a
-        restart abandoned."""
-        return self.aot_misses - min(self.aot_misses, self.aot_restarts)
+        restart abandoned. An abandoned lookup may have ended as a bypass rather than a miss:
+        so as never to hide another graph's real miss, bypasses in the step are taken to be
+        abandoned lookups first."""
+        abandoned_misses = max(0, self.aot_restarts - self.aot_bypass)
+        return self.aot_misses - min(self.aot_misses, abandoned_misses)
 
     @property
     def graphs_compiled(self) -> int:
