@@ -4,8 +4,11 @@ from __future__ import annotations
 
 import hashlib
 import os
+import time
 from pathlib import Path
 
+from kiln.compiler.dynamo_log import DynamoLog
+from kiln.compiler.measure import Clock, Forward, Meter
 from kiln.compiler.writes import LAUNCHER, Snapshot, Watch, kind_of
 
 
@@ -41,5 +44,30 @@ def test_a_watch_names_what_was_added_or_rewritten_but_not_the_same_bytes_again(
     (served / "__triton_launcher.so").write_bytes(b"elf")
     assert watch.written(before, watch.snapshot()) == ["served/__triton_launcher.so"]
     assert kind_of("served/__triton_launcher.so") == LAUNCHER
-    shipped.write_bytes(b"changed")
+    shipped.write_bytes(b"changed, and longer")  # a new size: seen whatever the mtime's tick
     assert "served/entry" in watch.written(before, watch.snapshot())
+
+
+def test_kilns_own_looking_is_not_the_served_process_time() -> None:
+    clock = Clock()
+    start_wall, start = time.time(), clock.now()
+    with clock.looking():
+        time.sleep(0.05)
+    assert time.time() - start_wall >= 0.05 > clock.now() - start
+    assert clock.looking_s >= 0.05
+
+
+def test_a_write_between_two_steps_is_the_next_steps(tmp_path: Path) -> None:
+    """One walk per step: a step's closing snapshot opens the next, so a file written between
+    two steps (an input made, an event sent) is counted in the next, never lost."""
+    served = tmp_path / "served"
+    served.mkdir()
+    watch = Watch({"served": served}, {})
+    forward = Forward(fn=lambda: None, call_kwargs={}, sync=lambda: None)
+    meter = Meter(None, DynamoLog(), forward, watch, watch.snapshot())
+    (served / "at-start-up").write_text("x")  # start-up's writes are the first step's
+    _, first = meter.measure("b=1", lambda: (served / "first").write_text("x"))
+    (served / "between").write_text("x")
+    _, second = meter.measure("b=2", lambda: None)
+    assert (first.written, second.written) == (2, 1)
+    assert second.new_files == ["served/between"]
