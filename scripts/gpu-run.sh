@@ -82,7 +82,8 @@ if [ "$what" = probe-ro ]; then
   spec=$1; name=$(basename "$spec" .yaml)
   timeout "$BUDGET_S" python3 -m kiln bake "$spec" -o "/tmp/$name.kiln.tar.zst" --no-prove -q \
     > "$OUT/probe-ro-bake.log" 2>&1 || { tail -20 "$OUT/probe-ro-bake.log"; exit 1; }
-  python3 scripts/probe_read_only.py "$spec" "/tmp/$name.kiln.tar.zst" 2>&1 | tee "$OUT/probe-ro.log" | tail -12
+  timeout $((BUDGET_S - SECONDS)) python3 scripts/probe_read_only.py "$spec" "/tmp/$name.kiln.tar.zst" \
+    2>&1 | tee "$OUT/probe-ro.log" | tail -12
   exit "${PIPESTATUS[0]}"
 fi
 if [ "$what" = first-process ]; then
