@@ -150,16 +150,22 @@ def bucket_table(buckets: list[BucketStats], title: str, *, verify: bool = False
     return table
 
 
+def first_few(names: list[str], shown: int = 3) -> str:
+    """``names`` as the first few and how many more: "a, b, c +4"."""
+    more = f" +{len(names) - shown}" if len(names) > shown else ""
+    return ", ".join(names[:shown]) + more
+
+
 def restart_note(buckets: list[BucketStats]) -> str | None:
     """Why a first call with nothing compiled took seconds: Dynamo traced it twice (ccache's
     rule: a cache says where the time went, not only whether it hit)."""
     restarted = [b.key for b in buckets if b.aot_restarts]
     if not restarted:
         return None
-    shown = ", ".join(restarted[:3]) + (f" +{len(restarted) - 3}" if len(restarted) > 3 else "")
     return (
-        f"traced twice, not compiled: {shown} (Dynamo restarted the trace to specialize a float "
-        "constant, as `dynamic: true` does in every process; `dynamic: false` avoids it)"
+        f"traced twice, not compiled: {first_few(restarted)} (Dynamo restarted the trace to "
+        "specialize a float constant, as `dynamic: true` does in every process; `dynamic: "
+        "false` avoids it)"
     )
 
 
@@ -170,8 +176,7 @@ def graph_break_table(breaks: list[GraphBreak]) -> Table:
         table.add_column(col)
     for b in breaks:
         flag = Text("yes", "yellow") if b.data_dependent else Text("no")
-        shown = ", ".join(b.buckets[:3]) + (f" +{len(b.buckets) - 3}" if len(b.buckets) > 3 else "")
-        table.add_row(plain(b.where), plain(b.reason), flag, plain(shown))
+        table.add_row(plain(b.where), plain(b.reason), flag, plain(first_few(b.buckets)))
     return table
 
 
