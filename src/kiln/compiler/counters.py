@@ -44,13 +44,13 @@ class CompileCounters:
     fx_bypass: int = _counter("inductor", "fxgraph_cache_bypass")
     aot_hits: int = _counter("aot_autograd", "autograd_cache_hit")
     aot_misses: int = _counter("aot_autograd", "autograd_cache_miss")
+    aot_bypass: int = _counter("aot_autograd", "autograd_cache_bypass")
     # AOTAutograd's runs: started, finished, failed. One started that neither finished nor
     # failed was cut short by Dynamo restarting its trace (TensorifyScalarRestartAnalysis, the
     # only exception torch lets through uncounted): with ``dynamic=True`` a model's Python float
     # constants (a RoPE base, a ``pow(2.0)``) are traced symbolic first, then specialized and
     # traced again, in every process. The first run looked its graph up and missed, as it always
     # will (that graph is never finished, so never saved): not compile work a cache can ship.
-    aot_bypass: int = _counter("aot_autograd", "autograd_cache_bypass")
     aot_runs: int = _counter("aot_autograd", "total")
     aot_finished: int = _counter("aot_autograd", "ok")
     aot_failed: int = _counter("aot_autograd", "not_ok")
