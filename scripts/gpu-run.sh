@@ -2,7 +2,7 @@
 # One device-machine call: install carried wheels, then run the GPU tests or the benchmarks.
 # Usage (on the GPU machine, from the repo root):
 #   scripts/gpu-run.sh [tests [ARGS] | aoti [ARGS] | bake SPEC... | first-process SPEC... |
-#                       bench SPEC... | probe-ro SPEC]
+#                       bench SPEC...]
 # Wheels for what the machine lacks come from `make gpu-wheels` (carry .whl).
 # BENCH_MODES=eager,cold,kiln,megacache,copied,kiln-blob,kiln-serial picks bench modes;
 # BENCH_REPEAT=3 runs each served mode three times (medians with their range).
@@ -76,15 +76,6 @@ print(m["name"], "passes", [x["compiles"] for x in m.get("passes", [])], "proof"
     fi
   done
   exit 0
-fi
-if [ "$what" = probe-ro ]; then
-  # Issue 25: why a read-only restored folder's first calls are slower (scripts/probe_read_only.py).
-  spec=$1; name=$(basename "$spec" .yaml)
-  timeout "$BUDGET_S" python3 -m kiln bake "$spec" -o "/tmp/$name.kiln.tar.zst" --no-prove -q \
-    > "$OUT/probe-ro-bake.log" 2>&1 || { tail -20 "$OUT/probe-ro-bake.log"; exit 1; }
-  timeout $((BUDGET_S - SECONDS)) python3 scripts/probe_read_only.py "$spec" "/tmp/$name.kiln.tar.zst" \
-    2>&1 | tee "$OUT/probe-ro.log" | tail -12
-  exit "${PIPESTATUS[0]}"
 fi
 if [ "$what" = first-process ]; then
   # Issue 25: each spec's first user process after a restore (tests/test_first_process_gpu.py),

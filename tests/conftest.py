@@ -345,6 +345,19 @@ def real_isa_probes(monkeypatch: pytest.MonkeyPatch) -> None:
 
 
 @pytest.fixture
+def read_only_mount(tmp_path: Path) -> Iterator[Path]:
+    """A tmpfs, for the test to remount read-only (``remount,ro``) once it has written what it
+    needs: root ignores file modes, not a read-only mount."""
+    mnt = tmp_path / "ro"
+    mnt.mkdir()
+    proc = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=64m", "tmpfs", str(mnt)])
+    if proc.returncode != 0:
+        pytest.skip("cannot mount a tmpfs here")
+    yield mnt
+    subprocess.run(["umount", "-l", str(mnt)], check=False)
+
+
+@pytest.fixture
 def installed(tmp_path: Path) -> Path:
     """A DEST that already holds a restored artifact: every attack must leave it as it was."""
     from kiln.artifact.restore import restore

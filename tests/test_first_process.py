@@ -46,18 +46,6 @@ def test_a_user_server_is_the_first_process_and_does_no_compile_work(artifact, t
         assert served.home == [] and served.tmp == [], (order, served.summary())
 
 
-@pytest.fixture
-def read_only_mount(tmp_path: Path):
-    """A tmpfs remounted read-only: root ignores file modes, not a read-only mount."""
-    mnt = tmp_path / "ro"
-    mnt.mkdir()
-    proc = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=64m", "tmpfs", str(mnt)])
-    if proc.returncode != 0:
-        pytest.skip("cannot mount a tmpfs here")
-    yield mnt
-    subprocess.run(["umount", "-l", str(mnt)], check=False)
-
-
 def test_a_read_only_restored_folder_serves(artifact, read_only_mount, tmp_path) -> None:
     spec, art = artifact
     dest = read_only_mount / "cache"

@@ -23,8 +23,9 @@ from pathlib import Path
 import pytest
 
 import kiln
+from kiln.serving import cuda_cache_copy
 from tests.conftest import ROOT
-from tests.first_process import serve_like_a_user
+from tests.first_process import digest_tree, serve_like_a_user
 
 pytestmark = [pytest.mark.gpu, pytest.mark.slow, pytest.mark.usefixtures("real_isa_probes")]
 
@@ -96,7 +97,13 @@ def test_first_user_process_does_no_compile_work(baked, tmp_path: Path) -> None:
         assert served.returncode == 0, served.stderr
         assert served.work() == {}, (order, ro, served.summary())
         assert served.benchmarks() == 0, (order, ro, served.summary())
-        assert not served.dest and served.home == [] and served.tmp == [], served.summary()
+        assert not served.dest and served.home == [], served.summary()
+        # Read-only, the driver's JIT cache serves from a copy in TMPDIR (kiln.serving
+        # .CUDA_COPY_PREFIX), which a process that hits it leaves as copied.
+        shipped = digest_tree(dest / "cuda-cache") if ro else {}
+        copy = cuda_cache_copy(dest, None, {"TMPDIR": str(tmp_path / f"run{i}" / "tmp")})
+        assert served.tmp == sorted(f"{copy.name}/{name}" for name in shipped), served.summary()
+        assert digest_tree(copy) == shipped, served.summary()
         if kiln.read_manifest(artifact).aoti is not None:  # kiln.activate's packages alone
             assert served.compiler_modules == [], served.summary()
 

@@ -22,7 +22,7 @@ from kiln.artifact.manifest import FileEntry, Manifest
 from kiln.artifact.restore import restore
 from kiln.errors import IntegrityError, KilnError, SpecError, UsageError
 from kiln.layout import lock_links
-from kiln.serving import env_file_text, serving_rank
+from kiln.serving import cuda_cache_copy, env_file_text, serving_rank
 from kiln.spec import parse_spec
 from tests.archives import reg, tree, write_archive
 from tests.conftest import MODELS, hard_limit, once, shared_dir
@@ -87,6 +87,10 @@ def test_distributed_errors_are_located(world: str, extra: str, where: str, says
 
 # --- kiln.env, sourced by a real shell per rank ------------------------------------------
 HOSTILE_DEST = Path("/tmp/it's $(touch pwned) `x` here/cache")
+
+
+def _copy_digest(dest: Path) -> bytes:
+    return cuda_cache_copy(dest, None, {}).name.rsplit("-", 1)[1].encode()
 
 
 def _source(text: str, tmp_path: Path, **env: str) -> subprocess.CompletedProcess[str]:
@@ -1022,7 +1026,14 @@ def test_a_bundle_of_a_two_rank_artifact_restores_every_rank(tmp_path: Path) -> 
     restore(artifact, tmp_path / "alone")
     got, alone = tree(tmp_path / "cache"), tree(tmp_path / "alone")
     assert got["ranks/1/inductor/a.py"] == got["ranks/0/inductor/a.py"] == b"code\n"
-    assert got["kiln.env"].replace(b"/cache", b"/alone") == alone["kiln.env"]
+    # Equal but for the path, and the name of a read-only folder's driver-cache copy, which is
+    # the path's digest (kiln.serving.cuda_cache_copy).
+    assert (
+        got["kiln.env"]
+        .replace(b"/cache", b"/alone")
+        .replace(_copy_digest(tmp_path / "cache"), _copy_digest(tmp_path / "alone"))
+        == alone["kiln.env"]
+    )
     assert {k for k in got if k.startswith("ranks/")} == {
         k for k in alone if k.startswith("ranks/")
     }

@@ -17,8 +17,11 @@ kiln's: the spec and the manifest import it, not the reverse.
 
 from __future__ import annotations
 
+import hashlib
 import os
 import shlex
+import shutil
+import stat
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any, Literal, Protocol
@@ -219,6 +222,95 @@ def cache_env(dest: Path, env: Mapping[str, str], rank: int | None = None) -> di
     }
 
 
+# --- the CUDA driver's JIT cache on a read-only folder -----------------------------------------
+# The driver uses its JIT cache only in a folder it can write: on a read-only mount of DEST
+# (a Kubernetes volume mounted read-only in the serving container, an image layer) it compiles
+# every PTX-only kernel again, as with CUDA_CACHE_DISABLE=1 (H100, the 8-layer LLM on the AOT
+# route: each bucket's first call 0.47-0.76 s read-only against 0.05-0.18 s writable, and
+# 0.07-0.24 s from a writable copy; docs/first-process.md). So a process serving a read-only
+# DEST points CUDA_CACHE_PATH at a private copy: ``$TMPDIR/kiln-cuda-cache-UID-DIGEST[-rR]``
+# (``/tmp`` without TMPDIR), made once with mode 0700 and used only while it is a real folder
+# owned by this user. kiln.env (:func:`_cuda_copy_lines`) and activate()
+# (:func:`served_cuda_cache`) follow this one rule; the driver keys entries by content, so a copy
+# left from an earlier restore at the same path is a cache that misses, never a wrong kernel.
+CUDA_COPY_PREFIX = "kiln-cuda-cache"
+
+
+def _cuda_copy_digest(dest: Path) -> str:
+    return hashlib.sha256(str(dest).encode()).hexdigest()[:16]
+
+
+def cuda_cache_copy(dest: Path, rank: int | None, environ: Mapping[str, str]) -> Path:
+    """Where a process serving a read-only ``dest`` keeps its copy of the driver's JIT cache."""
+    suffix = "" if rank is None else f"-r{rank}"
+    name = f"{CUDA_COPY_PREFIX}-{os.getuid()}-{_cuda_copy_digest(dest)}{suffix}"
+    return Path(environ.get("TMPDIR") or "/tmp", name)
+
+
+def served_cuda_cache(
+    dest: Path, rank: int | None, environ: Mapping[str, str] | None = None
+) -> tuple[Path, str | None]:
+    """The ``CUDA_CACHE_PATH`` a process serving ``dest`` uses, and a note when it is not
+    DEST's own (a read-only DEST, :data:`CUDA_COPY_PREFIX` says why)."""
+    cache = CacheLayout(dest, rank).cuda_cache
+    if not cache.is_dir() or os.access(cache, os.W_OK):
+        return cache, None
+    copy = cuda_cache_copy(dest, rank, os.environ if environ is None else environ)
+    try:
+        copy.mkdir(mode=0o700)
+    except FileExistsError:
+        pass
+    except OSError as exc:
+        return cache, f"{cache} is read-only and no copy could be made ({exc.strerror}): " + (
+            "the CUDA driver compiles without its JIT cache"
+        )
+    else:
+        _copy_writable(cache, copy)
+    st = os.lstat(copy)
+    if not stat.S_ISDIR(st.st_mode) or st.st_uid != os.getuid():
+        return cache, f"{cache} is read-only and {copy} is not this user's own folder: " + (
+            "the CUDA driver compiles without its JIT cache"
+        )
+    return copy, f"{cache} is read-only: the CUDA driver's JIT cache is served from {copy}"
+
+
+def _copy_writable(source: Path, target: Path) -> None:
+    """Copy the tree ``source`` into the existing folder ``target``, every file and folder
+    writable by its owner only (the driver rewrites its index; no mode of DEST's comes along)."""
+    for root, dirs, files in os.walk(source):
+        here = target / Path(root).relative_to(source)
+        for name in dirs:
+            (here / name).mkdir(mode=0o700, exist_ok=True)
+        for name in files:
+            shutil.copyfile(Path(root, name), here / name)
+            (here / name).chmod(0o600)
+
+
+def _cuda_copy_lines(dest: Path, rank_var: str | None) -> list[str]:
+    """POSIX sh for :func:`served_cuda_cache`, run after ``CUDA_CACHE_PATH`` is exported:
+    ``rank_var`` names the shell variable holding a checked rank (a K-rank artifact)."""
+    name = f"{CUDA_COPY_PREFIX}-$(id -u)-{_cuda_copy_digest(dest)}"
+    if rank_var is not None:
+        name += f'-r"${rank_var}"'
+    return [
+        'if [ -d "$CUDA_CACHE_PATH" ] && [ ! -w "$CUDA_CACHE_PATH" ]; then',
+        f'  kiln_copy="${{TMPDIR:-/tmp}}"/{name}',
+        '  if mkdir -m 700 "$kiln_copy" 2>/dev/null; then',
+        '    cp -R "$CUDA_CACHE_PATH"/. "$kiln_copy"/ && chmod -R u+w "$kiln_copy"',
+        "  fi",
+        '  if [ -d "$kiln_copy" ] && [ ! -L "$kiln_copy" ] && [ -O "$kiln_copy" ]; then',
+        "    printf '%s\\n' \"kiln.env: $CUDA_CACHE_PATH is read-only: the CUDA driver's JIT"
+        ' cache is served from $kiln_copy" >&2',
+        '    export CUDA_CACHE_PATH="$kiln_copy"',
+        "  else",
+        "    printf '%s\\n' \"kiln.env: $CUDA_CACHE_PATH is read-only and no copy of it could be"
+        ' made: the CUDA driver compiles without its JIT cache" >&2',
+        "  fi",
+        "  unset kiln_copy",
+        "fi",
+    ]
+
+
 def env_file_text(dest: Path, name: str, env: Mapping[str, str], world: int | None = None) -> str:
     """``kiln.env``: :func:`cache_env` as shell ``export`` lines, every value quoted.
 
@@ -241,6 +333,8 @@ def env_file_text(dest: Path, name: str, env: Mapping[str, str], world: int | No
                 lines.extend(_rank_lines(dest, world))
             continue
         lines.append(f"export {key}={shlex.quote(value)}")
+    if world is None:
+        lines.extend(_cuda_copy_lines(dest, None))
     return "\n".join(lines) + "\n"
 
 
@@ -261,6 +355,7 @@ def _rank_lines(dest: Path, world_size: int) -> list[str]:
         f'  export {key}={base}/"$kiln_rank"/{shlex.quote(name)}'
         for key, name in _RANK_PATHS.items()
     ]
+    copy = [f"  {line}" for line in _cuda_copy_lines(dest, "kiln_rank")]
     return [
         'kiln_rank="${RANK:-${LOCAL_RANK:-}}"',
         "kiln_rank_ok=0",
@@ -269,6 +364,7 @@ def _rank_lines(dest: Path, world_size: int) -> list[str]:
         "esac",
         'if [ "$kiln_rank_ok" = 1 ]; then',
         *exports,
+        *copy,
         "else",
         f"  unset {' '.join(_RANK_PATHS)}",
         f"  printf '%s\\n' \"kiln.env: RANK/LOCAL_RANK='$kiln_rank' is not a rank of this"

@@ -33,7 +33,13 @@ from kiln.errors import UsageError
 from kiln.factors import BUILD_FACTORS
 from kiln.installs import torch_build
 from kiln.layout import CacheLayout
-from kiln.serving import OnMiss, cache_env, served_torch_kwargs, serving_rank
+from kiln.serving import (
+    OnMiss,
+    cache_env,
+    served_cuda_cache,
+    served_torch_kwargs,
+    serving_rank,
+)
 
 log = logging.getLogger("kiln")
 
@@ -188,6 +194,13 @@ def activate(
     layout = CacheLayout(cache, rank)
     env = cache_env(cache, manifest.env, rank)
     notes: list[str] = []
+    # A read-only DEST: the driver's JIT cache serves from a private copy (or not at all: said).
+    cuda_cache, cuda_note = served_cuda_cache(cache, rank)
+    env["CUDA_CACHE_PATH"] = str(cuda_cache)
+    if cuda_note is not None and cuda_cache == layout.cuda_cache:
+        notes.append(cuda_note)
+    elif cuda_note is not None:
+        log.info("kiln: %s", cuda_note)
     torch_loaded = "torch" in sys.modules
     os.environ.update(env)
     # The artifact's bytecode serves `import torch` itself (seconds on an image without its
