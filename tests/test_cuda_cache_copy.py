@@ -102,3 +102,17 @@ def test_a_writable_folder_serves_its_own_cache(tmp_path: Path) -> None:
     assert sourced.stdout == str(dest / "cuda-cache") and sourced.stderr == ""
     assert served_cuda_cache(dest, None, {"TMPDIR": str(tmp)}) == (dest / "cuda-cache", None)
     assert list(tmp.iterdir()) == []
+
+
+def test_a_copy_that_fails_is_removed_and_said(read_only_mount: Path, tmp_path: Path) -> None:
+    """activate()'s copy stops at a file it cannot copy (a named pipe): no half copy is left
+    to be served next time, and the note says why the driver goes without its cache."""
+    cache = read_only_mount / "cache" / "cuda-cache"
+    cache.mkdir(parents=True)
+    os.mkfifo(cache / "pipe")
+    subprocess.run(["mount", "-o", "remount,ro", str(read_only_mount)], check=True)
+    tmp = tmp_path / "tmp"
+    tmp.mkdir()
+    path, note = served_cuda_cache(cache.parent, None, {"TMPDIR": str(tmp)})
+    assert path == cache and note is not None and "copying it failed" in note
+    assert list(tmp.iterdir()) == []

@@ -227,12 +227,13 @@ def cache_env(dest: Path, env: Mapping[str, str], rank: int | None = None) -> di
 # (a Kubernetes volume mounted read-only in the serving container, an image layer) it compiles
 # every PTX-only kernel again, as with CUDA_CACHE_DISABLE=1 (H100, the 8-layer LLM on the AOT
 # route: each bucket's first call 0.47-0.76 s read-only against 0.05-0.18 s writable, and
-# 0.07-0.24 s from a writable copy; docs/first-process.md). So a process serving a read-only
+# 0.07-0.24 s from a writable copy; docs/benchmarks.md). So a process serving a read-only
 # DEST points CUDA_CACHE_PATH at a private copy: ``$TMPDIR/kiln-cuda-cache-UID-DIGEST[-rR]``
-# (``/tmp`` without TMPDIR), made once with mode 0700 and used only while it is a real folder
-# owned by this user. kiln.env (:func:`_cuda_copy_lines`) and activate()
-# (:func:`served_cuda_cache`) follow this one rule; the driver keys entries by content, so a copy
-# left from an earlier restore at the same path is a cache that misses, never a wrong kernel.
+# (``/tmp`` without TMPDIR), made once with mode 0700 (removed again if the copy fails) and used
+# only while it is a real folder owned by this user. kiln.env (:func:`_cuda_copy_lines`) and
+# activate() (:func:`served_cuda_cache`) follow this one rule; the driver keys entries by content,
+# so a copy left from an earlier restore at the same path is a cache that misses, not a wrong
+# kernel.
 CUDA_COPY_PREFIX = "kiln-cuda-cache"
 
 
@@ -265,7 +266,13 @@ def served_cuda_cache(
             "the CUDA driver compiles without its JIT cache"
         )
     else:
-        _copy_writable(cache, copy)
+        try:
+            _copy_writable(cache, copy)
+        except OSError as exc:
+            shutil.rmtree(copy, ignore_errors=True)
+            return cache, f"{cache} is read-only and copying it failed ({exc}): " + (
+                "the CUDA driver compiles without its JIT cache"
+            )
     st = os.lstat(copy)
     if not stat.S_ISDIR(st.st_mode) or st.st_uid != os.getuid():
         return cache, f"{cache} is read-only and {copy} is not this user's own folder: " + (
@@ -296,7 +303,8 @@ def _cuda_copy_lines(dest: Path, rank_var: str | None) -> list[str]:
         'if [ -d "$CUDA_CACHE_PATH" ] && [ ! -w "$CUDA_CACHE_PATH" ]; then',
         f'  kiln_copy="${{TMPDIR:-/tmp}}"/{name}',
         '  if mkdir -m 700 "$kiln_copy" 2>/dev/null; then',
-        '    cp -R "$CUDA_CACHE_PATH"/. "$kiln_copy"/ && chmod -R u+w "$kiln_copy"',
+        '    cp -R "$CUDA_CACHE_PATH"/. "$kiln_copy"/ && chmod -R u+w "$kiln_copy" ||'
+        ' rm -rf "$kiln_copy"',
         "  fi",
         '  if [ -d "$kiln_copy" ] && [ ! -L "$kiln_copy" ] && [ -O "$kiln_copy" ]; then',
         "    printf '%s\\n' \"kiln.env: $CUDA_CACHE_PATH is read-only: the CUDA driver's JIT"
