@@ -21,24 +21,37 @@ from tests.first_process import digest_tree
 ENTRY = b"\x7fELF a cubin the driver JIT-compiled at the bake"
 
 
-def _restored(mount: Path, rank: int | None = None) -> Path:
+def _restored(mount: Path, rank: int | None = None, files: int = 0) -> Path:
     """A folder as restore leaves one with a driver cache (the rest of it does not matter
-    here), then the mount remounted read-only."""
+    here; ``files`` more entries for a copy that takes a while), then the mount remounted
+    read-only."""
     dest = mount / "cache"
     cache = CacheLayout(dest, rank).cuda_cache
     (cache / "sm90").mkdir(parents=True)
     (cache / "index").write_bytes(b"index")
     (cache / "sm90" / "entry").write_bytes(ENTRY)
     (cache / "sm90" / "entry").chmod(0o444)
+    for i in range(files):
+        (cache / "sm90" / f"more{i}").write_bytes(ENTRY * 8)
     world = None if rank is None else 2
     (dest / "kiln.env").write_text(env_file_text(dest, "m", {}, world))
     subprocess.run(["mount", "-o", "remount,ro", str(mount)], check=True)
     return dest
 
 
+def _names(folder: Path) -> list[str]:
+    return sorted(p.name for p in folder.iterdir())
+
+
+def _sh(dest: Path, then: str = "") -> list[str]:
+    """Source ``dest``'s kiln.env under ``set -eu`` as a server's start script does, then print
+    ``CUDA_CACHE_PATH`` and run ``then``."""
+    return ["/bin/sh", "-euc", f'. "{dest}/kiln.env"; printf %s "$CUDA_CACHE_PATH"{then}']
+
+
 def _source(dest: Path, tmp: Path, **env: str) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
-        ["sh", "-euc", f'. "{dest}/kiln.env"; printf %s "$CUDA_CACHE_PATH"'],
+        _sh(dest),
         env={"PATH": "/usr/bin:/bin", "TMPDIR": str(tmp), **env},
         capture_output=True,
         text=True,
@@ -55,11 +68,13 @@ def test_a_read_only_folder_serves_the_driver_cache_from_one_private_copy(
     first = _source(dest, tmp)
     copy = Path(first.stdout)
     assert copy == cuda_cache_copy(dest, None, {"TMPDIR": str(tmp)})
-    assert copy.name.startswith(f"kiln-cuda-cache-{os.getuid()}-")
+    assert copy.name.startswith(f"kiln-cuda-cache-{os.geteuid()}-")
     assert "is read-only" in first.stderr and str(copy) in first.stderr
     assert digest_tree(copy) == digest_tree(dest / "cuda-cache")
+    assert _names(tmp) == [copy.name]  # the part it was made in is gone
     assert copy.stat().st_mode & 0o777 == 0o700
-    assert os.access(copy / "sm90" / "entry", os.W_OK)  # the driver may rewrite what it keeps
+    # The driver may rewrite what it keeps (mode bits: root's access() says yes to anything).
+    assert (copy / "sm90" / "entry").stat().st_mode & 0o200
     # activate()'s side: the same copy, reused as it is (a second process copies nothing).
     (copy / "sm90" / "new").write_bytes(b"added by the driver in the first process")
     monkeypatch.setenv("TMPDIR", str(tmp))
@@ -69,27 +84,89 @@ def test_a_read_only_folder_serves_the_driver_cache_from_one_private_copy(
     assert Path(_source(dest, tmp).stdout) == copy
 
 
+def test_activate_makes_the_copy_kiln_env_would(read_only_mount: Path, tmp_path: Path) -> None:
+    dest = _restored(read_only_mount)
+    path, note = served_cuda_cache(dest, None, {"TMPDIR": str(tmp_path)})
+    assert path == cuda_cache_copy(dest, None, {"TMPDIR": str(tmp_path)}) and note is not None
+    assert digest_tree(path) == digest_tree(dest / "cuda-cache")
+    assert (path / "sm90" / "entry").stat().st_mode & 0o777 == 0o600
+    assert Path(_source(dest, tmp_path).stdout) == path
+
+
 def test_a_rank_copies_its_own_folder(read_only_mount: Path, tmp_path: Path) -> None:
     dest = _restored(read_only_mount, rank=1)
-    copy = Path(_source(dest, tmp_path, RANK="1").stdout)
+    copy = Path(_source(dest, tmp_path, LOCAL_RANK="1").stdout)
     assert copy.name.endswith("-r1")
     assert (copy / "sm90" / "entry").read_bytes() == ENTRY
     assert served_cuda_cache(dest, 1, {"TMPDIR": str(tmp_path)})[0] == copy
 
 
-def test_a_planted_link_at_the_copy_is_never_used(read_only_mount: Path, tmp_path: Path) -> None:
-    """Another user who guesses the name and plants a link to their own folder of kernels
-    gets nothing loaded from it: the driver compiles without a cache instead, and both say so."""
+def test_processes_sourcing_at_once_each_see_a_whole_copy(
+    read_only_mount: Path, tmp_path: Path
+) -> None:
+    """Four servers starting together: whichever copies, none serves half a copy (each copy is
+    renamed into place whole) and one copy is left."""
+    dest = _restored(read_only_mount, files=400)
+    count = '; find "$CUDA_CACHE_PATH" -type f | wc -l'
+    env = {"PATH": "/usr/bin:/bin", "TMPDIR": str(tmp_path)}
+    procs = [
+        subprocess.Popen(
+            _sh(dest, count),
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for _ in range(4)
+    ]
+    outs = [p.communicate(timeout=60)[0] for p in procs]
+    copy = cuda_cache_copy(dest, None, env)
+    assert outs == [f"{copy}402\n"] * 4, outs
+    assert _names(tmp_path) == sorted(["ro", copy.name])
+
+
+def test_a_copy_at_the_path_that_is_not_ours_is_never_used(
+    read_only_mount: Path, tmp_path: Path
+) -> None:
+    """Another user who guesses the name and plants a folder of kernels there, or a link to
+    one, gets nothing loaded from it: the driver compiles without a cache instead, and both
+    kiln.env and activate() say so."""
     dest = _restored(read_only_mount)
     theirs = tmp_path / "theirs"
     theirs.mkdir()
-    cuda_cache_copy(dest, None, {"TMPDIR": str(tmp_path)}).symlink_to(theirs)
-    sourced = _source(dest, tmp_path)
-    assert sourced.stdout == str(dest / "cuda-cache")
-    assert "no copy of it could be made" in sourced.stderr
-    path, note = served_cuda_cache(dest, None, {"TMPDIR": str(tmp_path)})
-    assert path == dest / "cuda-cache" and note is not None and "not this user's" in note
-    assert list(theirs.iterdir()) == []
+    planted = cuda_cache_copy(dest, None, {"TMPDIR": str(tmp_path)})
+    for plant in ("link", "folder"):
+        if plant == "link":
+            planted.symlink_to(theirs)
+        else:
+            planted.unlink()
+            planted.mkdir(mode=0o700)
+            os.chown(planted, 65534, 65534)
+        sourced = _source(dest, tmp_path)
+        assert sourced.stdout == str(dest / "cuda-cache"), plant
+        assert "no copy of it could be made" in sourced.stderr
+        path, note = served_cuda_cache(dest, None, {"TMPDIR": str(tmp_path)})
+        assert path == dest / "cuda-cache" and note is not None and "not this user's" in note
+        assert list(theirs.iterdir()) == [] and list(planted.iterdir()) == []
+
+
+def test_a_copy_that_fails_is_not_left_half_made(read_only_mount: Path, tmp_path: Path) -> None:
+    """A TMPDIR too small for the cache: neither kiln.env nor activate() leaves a half copy to
+    be served next time, and both say the driver goes without its cache."""
+    dest = _restored(read_only_mount, files=64)  # ~25 KB, in a 16 KB TMPDIR
+    tmp = tmp_path / "small"
+    tmp.mkdir()
+    subprocess.run(["mount", "-t", "tmpfs", "-o", "size=16k", "tmpfs", str(tmp)], check=True)
+    try:
+        sourced = _source(dest, tmp)
+        assert sourced.stdout == str(dest / "cuda-cache")
+        assert "no copy of it could be made" in sourced.stderr
+        assert _names(tmp) == []
+        path, note = served_cuda_cache(dest, None, {"TMPDIR": str(tmp)})
+        assert path == dest / "cuda-cache" and note is not None and "copying it failed" in note
+        assert _names(tmp) == []
+    finally:
+        subprocess.run(["umount", "-l", str(tmp)], check=False)
 
 
 def test_a_writable_folder_serves_its_own_cache(tmp_path: Path) -> None:
@@ -104,15 +181,10 @@ def test_a_writable_folder_serves_its_own_cache(tmp_path: Path) -> None:
     assert list(tmp.iterdir()) == []
 
 
-def test_a_copy_that_fails_is_removed_and_said(read_only_mount: Path, tmp_path: Path) -> None:
-    """activate()'s copy stops at a file it cannot copy (a named pipe): no half copy is left
-    to be served next time, and the note says why the driver goes without its cache."""
-    cache = read_only_mount / "cache" / "cuda-cache"
-    cache.mkdir(parents=True)
-    os.mkfifo(cache / "pipe")
-    subprocess.run(["mount", "-o", "remount,ro", str(read_only_mount)], check=True)
-    tmp = tmp_path / "tmp"
-    tmp.mkdir()
-    path, note = served_cuda_cache(cache.parent, None, {"TMPDIR": str(tmp)})
-    assert path == cache and note is not None and "copying it failed" in note
-    assert list(tmp.iterdir()) == []
+def test_kiln_env_without_id_or_mktemp_still_serves(read_only_mount: Path, tmp_path: Path) -> None:
+    """Sourced under ``set -eu`` in an image whose PATH lacks the tools the copy needs: the
+    server still starts, on DEST's own (unused) cache, and is told why."""
+    dest = _restored(read_only_mount)
+    sourced = _source(dest, tmp_path, PATH="/nonexistent")
+    assert sourced.stdout == str(dest / "cuda-cache")
+    assert "no copy of it could be made" in sourced.stderr

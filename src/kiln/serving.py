@@ -22,6 +22,7 @@ import os
 import shlex
 import shutil
 import stat
+import tempfile
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any, Literal, Protocol
@@ -227,14 +228,18 @@ def cache_env(dest: Path, env: Mapping[str, str], rank: int | None = None) -> di
 # (a Kubernetes volume mounted read-only in the serving container, an image layer) it compiles
 # every PTX-only kernel again, as with CUDA_CACHE_DISABLE=1 (H100, the 8-layer LLM on the AOT
 # route: each bucket's first call 0.47-0.76 s read-only against 0.05-0.18 s writable, and
-# 0.07-0.24 s from a writable copy; docs/benchmarks.md). So a process serving a read-only
-# DEST points CUDA_CACHE_PATH at a private copy: ``$TMPDIR/kiln-cuda-cache-UID-DIGEST[-rR]``
-# (``/tmp`` without TMPDIR), made once with mode 0700 (removed again if the copy fails) and used
-# only while it is a real folder owned by this user. kiln.env (:func:`_cuda_copy_lines`) and
-# activate() (:func:`served_cuda_cache`) follow this one rule; the driver keys entries by content,
-# so a copy left from an earlier restore at the same path is a cache that misses, not a wrong
-# kernel.
+# 0.07-0.24 s from a writable copy; docs/benchmarks.md). So a process serving a read-only DEST
+# points CUDA_CACHE_PATH at a private copy, ``$TMPDIR/kiln-cuda-cache-EUID-DIGEST[-rR]`` (``/tmp``
+# when TMPDIR is unset or relative). The copy is made in a fresh 0700 folder beside it and
+# renamed into place whole, so no process ever sees half a copy, and a published copy is never
+# removed (its path must not come free for another user of a shared /tmp to take); it is used
+# only while it is a real folder owned by this user and closed to others. kiln.env
+# (:func:`_cuda_copy_lines`) and activate() (:func:`served_cuda_cache`) follow this one rule;
+# the driver keys entries by content, so a copy left from an earlier restore at the same path is
+# a cache that misses, not a wrong kernel. (busybox's ``test -w`` does not see a read-only
+# mount, so a kiln.env sourced by busybox sh does not copy: the driver goes without its cache.)
 CUDA_COPY_PREFIX = "kiln-cuda-cache"
+_NO_CACHE = "the CUDA driver compiles without its JIT cache"
 
 
 def _cuda_copy_digest(dest: Path) -> str:
@@ -244,8 +249,9 @@ def _cuda_copy_digest(dest: Path) -> str:
 def cuda_cache_copy(dest: Path, rank: int | None, environ: Mapping[str, str]) -> Path:
     """Where a process serving a read-only ``dest`` keeps its copy of the driver's JIT cache."""
     suffix = "" if rank is None else f"-r{rank}"
-    name = f"{CUDA_COPY_PREFIX}-{os.getuid()}-{_cuda_copy_digest(dest)}{suffix}"
-    return Path(environ.get("TMPDIR") or "/tmp", name)
+    name = f"{CUDA_COPY_PREFIX}-{os.geteuid()}-{_cuda_copy_digest(dest)}{suffix}"
+    tmp = environ.get("TMPDIR") or ""
+    return Path(tmp if tmp.startswith("/") else "/tmp", name)
 
 
 def served_cuda_cache(
@@ -257,28 +263,30 @@ def served_cuda_cache(
     if not cache.is_dir() or os.access(cache, os.W_OK):
         return cache, None
     copy = cuda_cache_copy(dest, rank, os.environ if environ is None else environ)
-    try:
-        copy.mkdir(mode=0o700)
-    except FileExistsError:
-        pass
-    except OSError as exc:
-        return cache, f"{cache} is read-only and no copy could be made ({exc.strerror}): " + (
-            "the CUDA driver compiles without its JIT cache"
-        )
-    else:
+    if not os.path.lexists(copy):
         try:
-            _copy_writable(cache, copy)
+            part = Path(tempfile.mkdtemp(prefix=f"{copy.name}.", dir=copy.parent))
         except OSError as exc:
-            shutil.rmtree(copy, ignore_errors=True)
-            return cache, f"{cache} is read-only and copying it failed ({exc}): " + (
-                "the CUDA driver compiles without its JIT cache"
-            )
-    st = os.lstat(copy)
-    if not stat.S_ISDIR(st.st_mode) or st.st_uid != os.getuid():
-        return cache, f"{cache} is read-only and {copy} is not this user's own folder: " + (
-            "the CUDA driver compiles without its JIT cache"
-        )
+            return cache, f"{cache} is read-only and no copy could be made ({exc}): {_NO_CACHE}"
+        try:
+            _copy_writable(cache, part)
+            part.rename(copy)  # fails when another process published its copy first
+        except OSError as exc:
+            shutil.rmtree(part, ignore_errors=True)
+            if not os.path.lexists(copy):
+                return cache, f"{cache} is read-only and copying it failed ({exc}): {_NO_CACHE}"
+    if not _own_closed_folder(copy):
+        return cache, f"{cache} is read-only and {copy} is not this user's own folder: {_NO_CACHE}"
     return copy, f"{cache} is read-only: the CUDA driver's JIT cache is served from {copy}"
+
+
+def _own_closed_folder(path: Path) -> bool:
+    """Whether ``path`` is a real folder (not a link) of this user's that no one else may write."""
+    try:
+        st = os.lstat(path)
+    except OSError:
+        return False
+    return stat.S_ISDIR(st.st_mode) and st.st_uid == os.geteuid() and not st.st_mode & 0o022
 
 
 def _copy_writable(source: Path, target: Path) -> None:
@@ -295,26 +303,38 @@ def _copy_writable(source: Path, target: Path) -> None:
 
 def _cuda_copy_lines(dest: Path, rank_var: str | None) -> list[str]:
     """POSIX sh for :func:`served_cuda_cache`, run after ``CUDA_CACHE_PATH`` is exported:
-    ``rank_var`` names the shell variable holding a checked rank (a K-rank artifact)."""
-    name = f"{CUDA_COPY_PREFIX}-$(id -u)-{_cuda_copy_digest(dest)}"
+    ``rank_var`` names the shell variable holding a checked rank (a K-rank artifact). Safe under
+    ``set -eu``: every command that may fail is tested; without ``id``, ``mktemp`` or an ``mv``
+    with ``-T`` (GNU, busybox) it copies nothing and says so."""
+    name = f"{CUDA_COPY_PREFIX}-$kiln_uid-{_cuda_copy_digest(dest)}"
     if rank_var is not None:
         name += f'-r"${rank_var}"'
     return [
         'if [ -d "$CUDA_CACHE_PATH" ] && [ ! -w "$CUDA_CACHE_PATH" ]; then',
-        f'  kiln_copy="${{TMPDIR:-/tmp}}"/{name}',
-        '  if mkdir -m 700 "$kiln_copy" 2>/dev/null; then',
-        '    cp -R "$CUDA_CACHE_PATH"/. "$kiln_copy"/ && chmod -R u+w "$kiln_copy" ||'
-        ' rm -rf "$kiln_copy"',
+        '  kiln_tmp="${TMPDIR:-/tmp}"',
+        '  case "$kiln_tmp" in /*) ;; *) kiln_tmp=/tmp ;; esac',
+        "  kiln_uid=$(id -u 2>/dev/null) || kiln_uid=",
+        f'  kiln_copy="$kiln_tmp"/{name}',
+        '  if [ -n "$kiln_uid" ] && [ ! -e "$kiln_copy" ] && [ ! -L "$kiln_copy" ]; then',
+        '    if kiln_part=$(mktemp -d "$kiln_copy.XXXXXX" 2>/dev/null); then',
+        '      if cp -R "$CUDA_CACHE_PATH"/. "$kiln_part"/ 2>/dev/null &&'
+        ' chmod -R u+w "$kiln_part"; then',
+        "        # -T: never into a copy another process published first (rename(2) fails)",
+        '        mv -T "$kiln_part" "$kiln_copy" 2>/dev/null || :',
+        "      fi",
+        '      rm -rf "$kiln_part"  # what is left of ours: a failed copy, or one that lost',
+        "    fi",
         "  fi",
-        '  if [ -d "$kiln_copy" ] && [ ! -L "$kiln_copy" ] && [ -O "$kiln_copy" ]; then',
+        '  if [ -n "$kiln_uid" ] && [ -d "$kiln_copy" ] && [ ! -L "$kiln_copy" ] &&'
+        ' [ -O "$kiln_copy" ]; then',
         "    printf '%s\\n' \"kiln.env: $CUDA_CACHE_PATH is read-only: the CUDA driver's JIT"
         ' cache is served from $kiln_copy" >&2',
         '    export CUDA_CACHE_PATH="$kiln_copy"',
         "  else",
         "    printf '%s\\n' \"kiln.env: $CUDA_CACHE_PATH is read-only and no copy of it could be"
-        ' made: the CUDA driver compiles without its JIT cache" >&2',
+        f' made: {_NO_CACHE}" >&2',
         "  fi",
-        "  unset kiln_copy",
+        "  unset kiln_tmp kiln_uid kiln_copy kiln_part",
         "fi",
     ]
 
