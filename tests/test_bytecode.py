@@ -229,8 +229,9 @@ def test_the_spec_decides_whether_a_bake_ships_bytecode(write_spec) -> None:
 
 def _torch_pyc_artifact(tmp_path: Path, fingerprint: dict) -> Path:
     """An artifact whose bytecode holds checked pycs of torch's Inductor probe and of
-    ``torch/__init__`` and Dynamo's ``__init__``: each their real source's hash, the last two
-    with code appended that names them in ``KILN_TEST_SERVED`` when they run. Restored."""
+    ``torch/__init__``, Dynamo's and pydantic's ``__init__``: each their real source's hash, the
+    last three with code appended that names them in ``KILN_TEST_SERVED`` when they run.
+    Restored."""
     import importlib._bootstrap_external as ext
     import importlib.util
 
@@ -238,14 +239,16 @@ def _torch_pyc_artifact(tmp_path: Path, fingerprint: dict) -> Path:
     from tests.archives import manifest_for, reg, write_archive
 
     torch_dir = Path(importlib.util.find_spec("torch").origin).parent
+    pydantic_dir = Path(importlib.util.find_spec("pydantic").origin).parent
     tag = sys.implementation.cache_tag
     files, fields = {}, {}
-    for rel, marker in (
-        ("_inductor/compile_fx.py", ""),
-        ("__init__.py", "torch"),
-        ("_dynamo/__init__.py", "dynamo"),
+    for folder, rel, marker in (
+        (torch_dir, "_inductor/compile_fx.py", ""),
+        (torch_dir, "__init__.py", "torch"),
+        (torch_dir, "_dynamo/__init__.py", "dynamo"),
+        (pydantic_dir, "__init__.py", "pydantic"),  # kiln's own import, before torch's
     ):
-        source = str(torch_dir / rel)
+        source = str(folder / rel)
         text = Path(source).read_bytes()
         said = (
             "\nimport os as _o\n_o.environ['KILN_TEST_SERVED'] = "
@@ -347,15 +350,46 @@ def test_activate_imports_torch_from_the_bytecode_of_its_own_build(tmp_path: Pat
     empty.mkdir()
     same = _torch_pyc_artifact(tmp_path / "same", baked)
     out = _activate(ACTIVATE_FIRST, same, empty)
-    assert out == ["ok", "torch,dynamo, False", str(same / "bytecode")], out
+    assert out == ["ok", "pydantic,torch,dynamo, False", str(same / "bytecode")], out
     # The build matches but a factor only torch can tell (its deterministic flag) does not.
     flagged = {**baked, "flags.deterministic": True}
     other = _torch_pyc_artifact(tmp_path / "flag", flagged)
     out = _activate(ACTIVATE_FIRST, other, empty)
     assert out[0].startswith("refused"), out
-    # Imported before the refusal, from this build's own checked pycs: torch, and Dynamo with
-    # the check's Inductor config; from then on, Python looks where it did.
-    assert out[1:] == ["torch,dynamo, True", str(empty)], out
+    # Imported before the refusal, from this build's own checked pycs: kiln's pydantic, torch,
+    # and Dynamo with the check's Inductor config; from then on, Python looks where it did.
+    assert out[1:] == ["pydantic,torch,dynamo, True", str(empty)], out
+
+
+# A server whose activate() fails after the artifact's bytecode was set up: on a manifest that
+# names this torch build as JSON but is no manifest kiln reads.
+ACTIVATE_BROKEN = """
+import os, sys
+import kiln
+from kiln.errors import KilnError
+sys.pycache_prefix, sys.dont_write_bytecode = sys.argv[2], True
+try:
+    kiln.activate(sys.argv[1])
+except KilnError as exc:
+    print("refused:", type(exc).__name__)
+print(os.environ.get("KILN_TEST_SERVED"), sys.pycache_prefix == sys.argv[2])
+"""
+
+
+@pytest.mark.slow  # a fresh interpreter
+def test_activate_takes_the_bytecode_back_when_the_manifest_is_refused(tmp_path: Path) -> None:
+    """activate() serves the artifact's bytecode before it validates the manifest (its models
+    are among the imports served); a manifest refused then leaves imports as they were."""
+    from kiln.installs import torch_build
+
+    same = _torch_pyc_artifact(tmp_path, {"device.type": "cpu", **(torch_build() or {})})
+    data = json.loads((same / "manifest.json").read_text())
+    data["format"] = 999
+    (same / "manifest.json").write_text(json.dumps(data))
+    empty = tmp_path / "no-pyc"
+    empty.mkdir()
+    out = _activate(ACTIVATE_BROKEN, same, empty)
+    assert out == ["refused: UsageError", "pydantic, True"], out  # a newer format: upgrade
 
 
 # Statements a torch/version.py could hold: (source, the name it binds, the constant it binds).
@@ -391,13 +425,12 @@ def test_torch_version_file_names_a_build_only_when_each_name_is_one_constant(li
     assert got == ({names[n]: v[0] for n, v in bound.items()} if readable else None)
 
 
-def test_activate_tries_the_bytecode_before_torch_only_for_the_baked_build(
-    tmp_path: Path,
-) -> None:
+def test_activate_tries_the_bytecode_first_only_for_the_baked_build(tmp_path: Path) -> None:
     """In this process (whose torch has its own bytecode, so use() declines): another or an
-    unknown build is not tried (None: the full check decides after import); the baked build
-    is tried once, and a declined try is not repeated after the check."""
-    from kiln.compiler.activate import _bytecode_before_torch
+    unknown build, or a folder without a readable manifest, is not tried (None: the full check
+    decides after import); the baked build is tried once, and a declined try is not repeated
+    after the check."""
+    from kiln.compiler.activate import _bytecode_before_imports
     from kiln.installs import torch_build
     from tests.archives import manifest_for
 
@@ -406,12 +439,17 @@ def test_activate_tries_the_bytecode_before_torch_only_for_the_baked_build(
     (tmp_path / "bytecode").mkdir()
 
     def tried(fingerprint: dict) -> bool | None:
-        manifest = manifest_for({}, fingerprint=fingerprint).model_copy(
-            update={"bytecode": {"python": sys.implementation.cache_tag, "modules": 1}}
-        )
-        return _bytecode_before_torch(manifest, tmp_path, [])
+        data = manifest_for({}, fingerprint=fingerprint).model_dump(mode="json")
+        data["bytecode"] = {"python": sys.implementation.cache_tag, "modules": 1}
+        (tmp_path / "manifest.json").write_text(json.dumps(data))
+        return _bytecode_before_imports(tmp_path, [])
 
     assert tried({**build, "torch.git": "0" * 40}) is None
     assert tried({**build, "torch.version": "0.0.1"}) is None
     assert tried(build) is False  # tried: this venv's torch has its bytecode, use() declines
     assert sys.pycache_prefix != str(tmp_path / "bytecode")
+    for broken in ("{", "[]", '{"bytecode": {"modules": 1}, "fingerprint": []}'):
+        (tmp_path / "manifest.json").write_text(broken)
+        assert _bytecode_before_imports(tmp_path, []) is None
+    (tmp_path / "manifest.json").unlink()
+    assert _bytecode_before_imports(tmp_path, []) is None

@@ -16,6 +16,7 @@ artifact carries precompiled forwards, loads them so the process never traces wi
 from __future__ import annotations
 
 import contextlib
+import json
 import logging
 import os
 import sys
@@ -23,12 +24,9 @@ import warnings
 from collections.abc import Callable, Collection
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 from kiln import bytecode
-from kiln.artifact.archive import read_manifest
-from kiln.artifact.manifest import Manifest
-from kiln.compiler.check import CheckReport, compare_manifest
 from kiln.errors import UsageError
 from kiln.factors import BUILD_FACTORS
 from kiln.installs import torch_build
@@ -40,6 +38,10 @@ from kiln.serving import (
     served_torch_kwargs,
     serving_rank,
 )
+
+if TYPE_CHECKING:
+    from kiln.artifact.manifest import Manifest
+    from kiln.compiler.check import CheckReport
 
 log = logging.getLogger("kiln")
 
@@ -187,28 +189,24 @@ def activate(
     is a :class:`~kiln.errors.UsageError`. ``device_index`` defaults to the baked one.
     """
     cache = Path(cache).absolute()
-    manifest = read_manifest(cache)
-    rank = _rank(cache, manifest, rank)
-    if device_index is None:
-        device_index = _baked_device_index(manifest, rank)
-    layout = CacheLayout(cache, rank)
-    env = cache_env(cache, manifest.env, rank)
     notes: list[str] = []
-    # A read-only DEST: the driver's JIT cache serves from a private copy (or not at all: said).
-    cuda_cache, cuda_note = served_cuda_cache(cache, rank)
-    env["CUDA_CACHE_PATH"] = str(cuda_cache)
-    if cuda_note is not None and cuda_cache == layout.cuda_cache:
-        notes.append(cuda_note)
-    elif cuda_note is not None:
-        log.info("kiln: %s", cuda_note)
     torch_loaded = "torch" in sys.modules
-    os.environ.update(env)
     # The artifact's bytecode serves `import torch` itself (seconds on an image without its
-    # own) once torch/version.py names the baked build; the full check below, which needs
-    # torch, then keeps it or takes it back. An artifact of another build serves nothing
-    # before its check.
-    early = None if torch_loaded else _bytecode_before_torch(manifest, layout.bytecode, notes)
+    # own) once torch/version.py names the baked build, and kiln's own imports below (pydantic
+    # and the manifest's models: 0.4 s from source on the 2-core CPU); the full check below,
+    # which needs torch, then keeps it or takes it back. An artifact of another build serves
+    # nothing before its check.
+    early = None if torch_loaded else _bytecode_before_imports(cache, notes)
     try:
+        from kiln.artifact.archive import read_manifest
+
+        manifest = read_manifest(cache)
+        rank = _rank(cache, manifest, rank)
+        if device_index is None:
+            device_index = _baked_device_index(manifest, rank)
+        layout = CacheLayout(cache, rank)
+        env = _serving_env(cache, manifest, rank, notes)
+        os.environ.update(env)
         import torch
 
         activation = Activation(
@@ -227,9 +225,9 @@ def activate(
                 stacklevel=3,
                 stop_bytecode=layout.bytecode if early else None,
             )
-    except BaseException:  # the import or the check failed: leave imports as they were
+    except BaseException:  # the manifest, the import or the check failed: imports as they were
         if early:
-            bytecode.stop(layout.bytecode)
+            bytecode.stop(CacheLayout(cache).bytecode)
         raise
     # Not tried before torch (another build, or torch imported first): the artifact's bytecode
     # serves every import from here on (Dynamo, Inductor) only once the check passed.
@@ -246,6 +244,22 @@ def activate(
     for note in notes:
         log.warning("kiln: %s", note)
     return activation
+
+
+def _serving_env(
+    cache: Path, manifest: Manifest, rank: int | None, notes: list[str]
+) -> dict[str, str]:
+    """:func:`~kiln.serving.cache_env`, the driver's JIT cache on a private copy when ``cache``
+    is read-only (:data:`kiln.serving.CUDA_COPY_PREFIX`): said at INFO, or in ``notes`` when
+    no copy could be made."""
+    env = cache_env(cache, manifest.env, rank)
+    cuda_cache, cuda_note = served_cuda_cache(cache, rank)
+    env["CUDA_CACHE_PATH"] = str(cuda_cache)
+    if cuda_note is not None and cuda_cache == CacheLayout(cache, rank).cuda_cache:
+        notes.append(cuda_note)
+    elif cuda_note is not None:
+        log.info("kiln: %s", cuda_note)
+    return env
 
 
 def _baked_device_index(manifest: Manifest, rank: int | None) -> int:
@@ -323,10 +337,12 @@ def _activate_aoti(
     """activate() for a ``compile.route: aoti`` artifact: the compatibility check on what a
     process without Inductor can know (kiln.factors.AOTI_KEY_FACTORS) and nothing else; no
     Dynamo settings, no Mega-Cache, no Inductor import or worker pool (the packages need none).
-    ``early``: what :func:`_bytecode_before_torch` did with ``shipped``, the artifact's bytecode."""
+    ``early``: what :func:`_bytecode_before_imports` did with ``shipped``, the artifact's
+    bytecode."""
     manifest, rank = activation.manifest, activation.rank
     report = None
     if compat != "ignore":
+        from kiln.compiler.check import compare_manifest
         from kiln.compiler.fingerprint import fingerprint
 
         device = manifest.fingerprint.get("device.type", "cpu")
@@ -348,22 +364,32 @@ def _activate_aoti(
     return activation
 
 
-def _bytecode_before_torch(manifest: Manifest, folder: Path, notes: list[str]) -> bool | None:
-    """Serve the artifact's bytecode from ``import torch`` on, when torch's own build (read
-    from torch/version.py, :data:`kiln.factors.BUILD_FACTORS`) is the one the artifact baked:
-    True when this call set it up, False when it tried and :func:`kiln.bytecode.use` declined
-    (``notes`` says why), None when it did not try (no bytecode, another or an unknown build:
-    then only after the full check). Each pyc is checked against its installed source's hash
-    as it loads; what a pyc's code does beyond that is as trusted as the artifact (its
-    signature or pin), as for the Inductor caches."""
-    if not manifest.bytecode:
+def _bytecode_before_imports(cache: Path, notes: list[str]) -> bool | None:
+    """Serve the artifact's bytecode from here on, before kiln's own imports and ``import
+    torch``, when torch's own build (read from torch/version.py, :data:`kiln.factors
+    .BUILD_FACTORS`) is the one the artifact baked: True when this call set it up, False when it
+    tried and :func:`kiln.bytecode.use` declined (``notes`` says why), None when it did not try
+    (no bytecode, another or an unknown build, no readable manifest: then only after the full
+    check). The manifest is read as plain JSON here, since its models are among the imports to
+    serve; restore checked it, and :func:`~kiln.artifact.archive.read_manifest` validates it
+    right after. Each pyc is checked against its installed source's hash as it loads; what a
+    pyc's code does beyond that is as trusted as the artifact (its signature or pin), as for
+    the Inductor caches."""
+    layout = CacheLayout(cache)
+    try:
+        data = json.loads(layout.manifest.read_bytes())
+    except (OSError, ValueError):
+        return None
+    if not isinstance(data, dict) or not data.get("bytecode"):
+        return None
+    baked = data.get("fingerprint")
+    if not isinstance(baked, dict):
         return None
     here = torch_build()
-    baked = manifest.fingerprint
     if here is None or any(baked.get(k, here[k]) != here[k] for k in BUILD_FACTORS):
         return None
-    notes.extend(_use_bytecode(folder))
-    return bytecode.serving(folder)
+    notes.extend(_use_bytecode(layout.bytecode))
+    return bytecode.serving(layout.bytecode)
 
 
 def _use_bytecode(folder: Path) -> list[str]:
@@ -378,6 +404,7 @@ def _use_bytecode(folder: Path) -> list[str]:
 
 def _compare(manifest: Manifest, device_index: int, rank: int | None) -> CheckReport:
     """This process's environment against the one the caches were baked in."""
+    from kiln.compiler.check import compare_manifest
     from kiln.compiler.fingerprint import fingerprint
 
     device = manifest.fingerprint.get("device.type", "cpu")
