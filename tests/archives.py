@@ -18,7 +18,8 @@ from typing import Any
 
 import zstandard
 
-from kiln.artifact.manifest import MAX_FILES, MAX_MANIFEST_BYTES, Bytecode, FileEntry, Manifest
+from kiln.artifact.manifest import MAX_FILES, Bytecode, FileEntry, Manifest
+from kiln.layout import MAX_MANIFEST_BYTES
 
 FILES = {"inductor/fxgraph/a/entry": b"A" * 1000, "inductor/xy/k.py": b"print(1)\n"}
 

@@ -14,10 +14,9 @@ from pathlib import Path
 import pytest
 
 from kiln.artifact.archive import read_manifest, write_artifact
-from kiln.artifact.manifest import MAX_MANIFEST_BYTES
 from kiln.artifact.restore import restore
 from kiln.errors import IntegrityError, UsageError
-from kiln.layout import ENV_NAME
+from kiln.layout import ENV_NAME, MAX_MANIFEST_BYTES
 from tests.archives import (
     FILES,
     HOSTILE,

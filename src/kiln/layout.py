@@ -34,6 +34,10 @@ LOCKS_DIR = "locks"
 LOCKS_TARGET = "/tmp"
 AOTI_DIR = "aoti"  # compile.route: aoti: one extracted AOTInductor package per folder (aoti/N/)
 MANIFEST_NAME = "manifest.json"  # an artifact's first member; restore writes its own copy
+# A real manifest is ~200-250 bytes per file plus ~25 KB of fingerprint: 8 MiB is ~35,000
+# files, read and validated in ~1 s. Readers refuse a bigger manifest.json (from its tar header,
+# before reading a byte of it).
+MAX_MANIFEST_BYTES = 8 << 20
 ENV_NAME = "kiln.env"  # written by restore, never shipped
 STATE_NAME = ".kiln-installed.json"  # written by restore, never shipped
 # A K-rank artifact keeps rank R's layout (inductor/, megacache.bin, precompiled.bin) under

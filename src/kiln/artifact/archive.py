@@ -23,14 +23,13 @@ from pydantic import ValidationError
 
 from kiln.artifact.manifest import (
     FORMAT_VERSION,
-    MAX_MANIFEST_BYTES,
     Manifest,
     first_problem,
     folders_of,
 )
 from kiln.errors import IntegrityError, NotAnArtifactError, NotFoundError, UsageError
 from kiln.files import CHUNK, atomic_write
-from kiln.layout import MANIFEST_NAME, CacheLayout
+from kiln.layout import MANIFEST_NAME, MAX_MANIFEST_BYTES, CacheLayout
 
 ARTIFACT_SUFFIX = ".kiln.tar.zst"  # NAME.kiln.tar.zst: an artifact or a bundle (the same format)
 # Every zstd frame starts with these bytes: a file without them is no artifact (nor bundle).

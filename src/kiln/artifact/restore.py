@@ -35,7 +35,7 @@ from kiln.artifact.bundle import Candidate, Choice, Selector, check_variant, ext
 from kiln.artifact.drift import Changes, changes, stamp
 from kiln.artifact.extract import HashingReader, check_stage, extract, require_space
 from kiln.artifact.machine import Machine
-from kiln.artifact.manifest import MAX_MANIFEST_BYTES, FileEntry, Manifest
+from kiln.artifact.manifest import FileEntry, Manifest
 from kiln.artifact.oci_layout import variant_select
 from kiln.artifact.relocate import relocate_groups
 from kiln.artifact.storage import DEFAULT_TIMEOUT, check_timeout, fetch, is_remote, parse_digest
@@ -46,6 +46,7 @@ from kiln.files import CHUNK, atomic_write
 from kiln.layout import (
     LOCKS_TARGET,
     MANIFEST_NAME,
+    MAX_MANIFEST_BYTES,
     STATE_NAME,
     CacheLayout,
     lock_links,

@@ -30,7 +30,7 @@ from kiln import bytecode
 from kiln.errors import UsageError
 from kiln.factors import BUILD_FACTORS
 from kiln.installs import torch_build
-from kiln.layout import CacheLayout
+from kiln.layout import MAX_MANIFEST_BYTES, CacheLayout
 from kiln.serving import (
     OnMiss,
     cache_env,
@@ -377,7 +377,9 @@ def _bytecode_before_imports(cache: Path, notes: list[str]) -> bool | None:
     the Inductor caches."""
     layout = CacheLayout(cache)
     try:
-        data = json.loads(layout.manifest.read_bytes())
+        with open(layout.manifest, "rb") as fh:
+            raw = fh.read(MAX_MANIFEST_BYTES + 1)  # bounded as every manifest read is
+        data = json.loads(raw) if len(raw) <= MAX_MANIFEST_BYTES else None
     except (OSError, ValueError):
         return None
     if not isinstance(data, dict) or not data.get("bytecode"):
