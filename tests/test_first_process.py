@@ -101,6 +101,39 @@ def test_verify_names_a_kernel_the_folder_lost_and_leaves_the_folder_as_found(
         assert digest_tree(dest) == found
 
 
+def test_a_lost_or_damaged_package_library_is_named_by_verify_and_by_the_server(
+    aoti_baked, tmp_path, cli
+) -> None:
+    """The AOT route has no kernel to rebuild: a package library deleted after restore makes
+    verify exit 6 naming it and the folder's drift (torch's dlopen traceback before), and a
+    damaged one stops the user's server (kiln.activate(DIR).compile) with one line naming it."""
+    spec, restored, manifest = aoti_baked
+    art = restored.parent / f"{manifest.name}.kiln.tar.zst"
+    assert manifest.aoti is not None
+    program = manifest.aoti.programs[0]
+    where = f"{program.path}/{program.library}"
+    dest = tmp_path / "lost" / "cache"
+    kiln.restore(art, dest)
+    (dest / where).unlink()
+    found = digest_tree(dest)
+    proc = cli("verify", spec, "--cache", dest, "--json")
+    assert proc.returncode == 6, proc.stderr
+    error = json.loads(proc.stdout)["error"]
+    assert f"-{where}" in error and f"AOTInductor package library {where} is missing" in error
+    assert "Traceback" not in proc.stderr
+    assert digest_tree(dest) == found
+
+    dest = tmp_path / "damaged" / "cache"
+    kiln.restore(art, dest)
+    (dest / where).write_bytes(b"not an ELF file")
+    served = serve_like_a_user(spec, dest, tmp_path / "run")
+    assert served.returncode != 0
+    assert f"PackageLoadError: AOTInductor package library {where} does not load (" in (
+        served.stderr
+    ), served.stderr
+    assert served.stderr.rstrip().endswith("restore the artifact again"), served.stderr
+
+
 def test_verify_of_a_bucket_never_baked_fails_and_stays_failed(artifact, tmp_path, cli) -> None:
     """Issue 25 item 5: the bucket compiles in verify (exit 6), but into a private copy, so the
     next verify fails again and restore still finds the folder it installed."""

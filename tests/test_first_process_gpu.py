@@ -23,6 +23,7 @@ from pathlib import Path
 import pytest
 
 import kiln
+from kiln.errors import VerificationError
 from kiln.serving import cuda_cache_copy
 from tests.conftest import ROOT
 from tests.first_process import digest_tree, serve_like_a_user
@@ -128,16 +129,35 @@ def test_verify_names_a_lost_tuning_result_and_a_lost_helper(baked, tmp_path: Pa
     spec, artifact = baked
     dest = tmp_path / "lost" / "cache"
     kiln.restore(artifact, dest)
+    if kiln.read_manifest(artifact).aoti is not None:
+        pytest.skip(f"{spec.stem}: the AOT route (test_verify_names_a_lost_package_library)")
     tuned = sorted((dest / "inductor").rglob("*.best_config"))
     helpers = sorted((dest / "triton-home").rglob("cuda_utils*.so"))
     if not tuned or not helpers:
         pytest.skip(f"{spec.stem}: no .best_config ({len(tuned)}) or cuda_utils ({len(helpers)})")
     tuned[0].unlink()
     helpers[0].unlink()
-    aoti = kiln.read_manifest(artifact).aoti is not None
-    report = kiln.verify(spec, dest, routes=("activate",) if aoti else ("plain",))
+    report = kiln.verify(spec, dest, routes=("plain",))
     lines = " ".join(report.reasons())
     record(spec.stem, {"lost": lines})
     assert not report.ok
     assert "native helper built with gcc" in lines, lines
     assert tuned[0].name in lines or "configs benchmarked" in lines, lines
+
+
+def test_verify_names_a_lost_package_library(baked, tmp_path: Path) -> None:
+    """The AOT route's counterpart (it has no kernel to re-tune or rebuild): a package library
+    deleted after restore fails verify (exit 6), naming the library and the folder's drift."""
+    spec, artifact = baked
+    aoti = kiln.read_manifest(artifact).aoti
+    if aoti is None:
+        pytest.skip(f"{spec.stem}: the compile route (the test above)")
+    dest = tmp_path / "lost" / "cache"
+    kiln.restore(artifact, dest)
+    where = f"{aoti.programs[0].path}/{aoti.programs[0].library}"
+    (dest / where).unlink()
+    with pytest.raises(VerificationError) as failed:
+        kiln.verify(spec, dest)
+    record(spec.stem, {"lost": str(failed.value)})
+    assert f"-{where}" in str(failed.value), failed.value
+    assert f"AOTInductor package library {where} is missing" in str(failed.value), failed.value

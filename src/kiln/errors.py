@@ -191,3 +191,14 @@ class IncompatibleError(KilnError):
 
 class VerificationError(KilnError):
     exit_code = ExitCode.VERIFICATION
+
+
+class PackageLoadError(VerificationError):
+    """A restored AOTInductor package's library is gone or does not load: the folder is no
+    longer what was restored (a file deleted or damaged), so it cannot serve its buckets (exit
+    6, as a miss). ``problem`` is the message without its advice, for a caller that gives its
+    own (verify names the folder's drift instead)."""
+
+    def __init__(self, problem: str) -> None:
+        super().__init__(f"{problem}: restore the artifact again")
+        self.problem = problem

@@ -41,7 +41,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from kiln.artifact.manifest import Aoti, AotiInput, AotiProgram, Manifest
-from kiln.errors import KilnError
+from kiln.errors import KilnError, PackageLoadError
 from kiln.grid import Bucket
 from kiln.padding import OffGridError
 
@@ -108,6 +108,21 @@ def runner_for(library: Path, device: str, device_index: int) -> Any:
     return torch._C._aoti.AOTIModelContainerRunnerCpu(str(library), 1)
 
 
+def _load(library: Path, where: str, device: str, device_index: int) -> Any:
+    """:func:`runner_for`, with a library that is missing or does not load named (``where``,
+    its path in the restored folder) as a :class:`PackageLoadError`: torch's own error is a
+    multi-line ``RuntimeError`` from dlopen."""
+    if not library.is_file():
+        raise PackageLoadError(f"AOTInductor package library {where} is missing")
+    try:
+        return runner_for(library, device, device_index)
+    except RuntimeError as exc:
+        first = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
+        raise PackageLoadError(
+            f"AOTInductor package library {where} does not load ({first})"
+        ) from exc
+
+
 def hand_in(runner: Any, constants: dict[str, Any]) -> None:
     """Give ``runner`` the model's tensors as its constants: ``user_managed`` (torch >= 2.7) makes
     it point at the model's own storage, no copy per bucket; an older runner copies them."""
@@ -166,7 +181,9 @@ class AotiModel:
         self._exact: dict[tuple[tuple[int, ...], ...], _Program] = {}
         self._ranged: list[_Program] = []
         for p in info.programs:
-            runner = runner_for(folder / p.path / p.library, info.device, device_index)
+            library = folder / p.path / p.library
+            where = f"{p.path}/{p.library}"
+            runner = _load(library, where, info.device, device_index)
             if self._weights:
                 constants, missing = constants_for(runner, self._weights)
                 if missing:  # the bake checked this against the same model: a changed model

@@ -25,7 +25,7 @@ from typing import IO
 from pydantic import ValidationError
 
 from kiln.compiler.protocol import WorkerFailure, WorkerOutcome
-from kiln.errors import IncompatibleError, KilnError, UsageError
+from kiln.errors import IncompatibleError, KilnError, PackageLoadError, UsageError
 from kiln.events import (
     WORKER_EVENTS,
     BucketDone,
@@ -73,11 +73,14 @@ class WorkerError(KilnError):
 
 def failure_error(spec: Spec, failure: WorkerFailure, log: str) -> KilnError:
     """kiln's error for what the worker reported: the spec's (exit 2, at its key), an
-    incompatibility (exit 5), or a :class:`WorkerError` with the tail of its log."""
+    incompatibility (exit 5), a restored folder that cannot serve (exit 6), or a
+    :class:`WorkerError` with the tail of its log."""
     if failure.kind == "spec":
         return error_at(spec, failure.key or "", failure.message)
     if failure.kind == "incompatible":
         return IncompatibleError(failure.message)
+    if failure.kind == "unservable":
+        return PackageLoadError(failure.message)
     return WorkerError(f"{failure.message}\n{log_tail(log)}".strip())
 
 

@@ -32,7 +32,13 @@ from kiln.compiler.check import CheckReport, compare_manifest
 from kiln.compiler.dynamo_log import RESUME_FRAME
 from kiln.compiler.launch import WorkerRun, run_worker
 from kiln.compiler.protocol import WorkerRequest, input_stream
-from kiln.errors import IncompatibleError, NotFoundError, UsageError
+from kiln.errors import (
+    IncompatibleError,
+    NotFoundError,
+    PackageLoadError,
+    UsageError,
+    VerificationError,
+)
 from kiln.events import EventSink
 from kiln.files import atomic_write
 from kiln.grid import expand, off_grid, ordered
@@ -167,7 +173,7 @@ def changed_line(changes: Sequence[str]) -> str:
     """One line on a restored folder that is no longer what restore installed."""
     return (
         f"the folder changed since it was restored ({len(changes)} file(s), e.g. "
-        f"{', '.join(changes[:3])}): a process wrote into it; restore it again"
+        f"{', '.join(changes[:3])}): something wrote into it or deleted from it; restore it again"
     )
 
 
@@ -275,10 +281,18 @@ def verify(
     grid = [b for b in expand(spec) if keys is None or b.key in keys]
     order_keys = [b.key for b in ordered(grid, order, seed)]
     changes = folder_changes(cache, manifest)
-    runs = [
-        (route, serve_copy(spec, cache, manifest, order_keys, route, device_index, seed, on_event))
-        for route in routes
-    ]
+    try:
+        runs = [
+            (
+                route,
+                serve_copy(spec, cache, manifest, order_keys, route, device_index, seed, on_event),
+            )
+            for route in routes
+        ]
+    except PackageLoadError as exc:  # the folder could not serve at all: say what changed
+        if not changes:
+            raise
+        raise VerificationError(f"{changed_line(changes)}; {exc.problem}") from exc
     # The route the artifact is made for leads the timings.
     lead = next((run for route, run in runs if route == made_for(manifest)), runs[0][1])
     report = VerifyReport(
