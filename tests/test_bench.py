@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import sys
 from pathlib import Path
 
 import pytest
@@ -75,6 +76,10 @@ def test_bench_modes_and_ratios(write_spec, cli, tmp_path: Path) -> None:
     # What a bake in the work folder is not reused for (each would bake again).
     other = write_spec(mlp_spec("bench-mlp", buckets="batch: [3]"), "other.yaml")
     assert reusable_bake(load_spec(other), work) == "baked from another spec"
+    with pytest.MonkeyPatch.context() as mp:  # an image without torch's bytecode: ship it
+        mp.setattr(sys, "pycache_prefix", str(tmp_path / "no-pycache"))
+        found = reusable_bake(load_spec(spec), work)
+    assert found == "baked on an image with torch's bytecode (none shipped; this image lacks it)"
     with (work / "bench.kiln.tar.zst").open("ab") as artifact:
         artifact.write(b"\0")
     assert reusable_bake(load_spec(spec), work) == "the artifact changed"

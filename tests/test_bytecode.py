@@ -204,13 +204,13 @@ def test_a_bake_on_an_image_without_bytecode_ships_it_and_verify_serves_it(
     assert not any(empty.iterdir())  # nothing compiled and written by the served process
 
 
-def test_the_spec_decides_whether_a_bake_ships_bytecode(write_spec) -> None:
-    from kiln.compiler.bake import _ships_bytecode
+def test_the_spec_decides_whether_a_bakeships_bytecode(write_spec) -> None:
+    from kiln.compiler.bake import ships_bytecode
     from kiln.spec import load_spec
     from tests.conftest import mlp_spec
 
     def ships(extra: str) -> bool:
-        return _ships_bytecode(load_spec(write_spec(mlp_spec() + extra)))
+        return ships_bytecode(load_spec(write_spec(mlp_spec() + extra)))
 
     # This venv's torch has its bytecode cached (pip compiles it), so auto ships none.
     assert (ships(""), ships("bytecode: always\n"), ships("bytecode: never\n")) == (
@@ -220,7 +220,7 @@ def test_the_spec_decides_whether_a_bake_ships_bytecode(write_spec) -> None:
     )
     tp = (Path(__file__).parents[1] / "configs" / "tp-mlp-cpu.yaml").read_text()
     tp = tp.replace("../examples/", f"{Path(__file__).parents[1]}/examples/")
-    assert _ships_bytecode(load_spec(write_spec(tp + "bytecode: always\n", "tp.yaml")))
+    assert ships_bytecode(load_spec(write_spec(tp + "bytecode: always\n", "tp.yaml")))
     assert (
         load_spec(write_spec(mlp_spec())).sha256()
         == load_spec(write_spec(mlp_spec() + "bytecode: auto\n")).sha256()

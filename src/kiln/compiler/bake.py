@@ -285,7 +285,7 @@ def _sorted_grid(buckets: list[Any], like: list[Any]) -> list[Any]:
     return sorted(buckets, key=lambda b: order[b.key])
 
 
-def _ships_bytecode(spec: Spec) -> bool:
+def ships_bytecode(spec: Spec) -> bool:
     """Whether this bake ships the imported modules' bytecode: asked for, or (``auto``) this
     image compiles torch from source at every start, so the serving image built from it likely
     does too. A K-rank artifact ships one tree for every rank: the ranks import the same
@@ -369,7 +369,7 @@ class _Baker:
             precompile_save=str(precompile) if precompile else None,
             frames="record" if route == "frames" else None,
             fingerprint=True,
-            report_imports=_ships_bytecode(self.spec),
+            report_imports=ships_bytecode(self.spec),
         )
         if self.spec.compile.route == "aoti":
             self.first = self.first.replace(megacache_save=None, aoti_build=self._aoti_build())
@@ -472,7 +472,7 @@ class _Baker:
 
     def _write_bytecode(self) -> Bytecode | None:
         """The bytecode of every library module the passes imported, compiled into the work
-        folder's ``bytecode/`` tree, when the spec ships it (:func:`_ships_bytecode`)."""
+        folder's ``bytecode/`` tree, when the spec ships it (:func:`ships_bytecode`)."""
         sources = sorted({s for run in self.runs for r in run.results for s in r.imported_sources})
         if not sources:
             return None

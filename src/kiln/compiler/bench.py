@@ -48,7 +48,7 @@ from kiln.artifact.archive import read_manifest, sha256_file
 from kiln.artifact.manifest import WORK_KINDS, BucketStats
 from kiln.artifact.restore import restore
 from kiln.bytecode import uncached_reason
-from kiln.compiler.bake import BakeResult, bake
+from kiln.compiler.bake import BakeResult, bake, ships_bytecode
 from kiln.compiler.launch import WorkerRun, run_worker
 from kiln.compiler.protocol import WorkerRequest, WorkerResult
 from kiln.compiler.verify import first_process, made_for, rank_buckets, served_request
@@ -343,7 +343,10 @@ def reusable_bake(spec: Spec, work: Path, files: _BakeFiles = _COMPILE_BAKE) -> 
     """The bake a bench left in ``work`` (as ``files`` names it), when a bench of ``spec`` here
     may serve it again: made from the same spec, model source and kiln version, the artifact
     unchanged since, its kept cache folder there, and compatible with this machine as
-    ``kiln check`` judges it. Otherwise why not, in a few words."""
+    ``kiln check`` judges it, with Python bytecode where a bake here would ship it (one made
+    on an image with bytecode ships none, and would serve this one's imports from source; the
+    other way round serves as a bake here would, kiln.bytecode.use declining). Otherwise why
+    not, in a few words."""
     artifact, kept, record = files.paths(work)
     if not (artifact.is_file() and kept.is_dir() and record.is_file()):
         return "no bake in the work folder"
@@ -357,6 +360,8 @@ def reusable_bake(spec: Spec, work: Path, files: _BakeFiles = _COMPILE_BAKE) -> 
         return "the model's source changed"
     if manifest.kiln_version != __version__:
         return f"baked by kiln {manifest.kiln_version}"
+    if ships_bytecode(spec) and not manifest.bytecode:
+        return "baked on an image with torch's bytecode (none shipped; this image lacks it)"
     if sha256_file(artifact) != saved["sha256"]:
         return "the artifact changed"
     from kiln.compiler.check import check
