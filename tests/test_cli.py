@@ -7,6 +7,9 @@ torch blocked (``no_torch=True``): a bad flag must be exit 2 without importing t
 from __future__ import annotations
 
 import json
+import os
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -247,6 +250,51 @@ def test_the_cache_location_factor(tmp_path: Path) -> None:
     moved = location_factor(dest, manifest, None, {FACTOR[4:]: str(tmp_path / "old/inductor")})
     assert moved is not None and moved.causes_miss and not moved.matches
     assert moved.baked == str(dest / "inductor") and moved.here == str(tmp_path / "old/inductor")
+
+
+def test_a_moved_triton_cache_is_unset_by_kiln_env_and_named_by_check(tmp_path: Path) -> None:
+    """TRITON_CACHE_DIR set in the serving image would move Inductor's Triton kernels (and the
+    launchers Triton builds for them) out of DIR: kiln.env unsets it; check names it, a miss on
+    CUDA, a note on the CPU."""
+    from kiln.artifact.restore import restore
+    from kiln.compiler.location import moved_cache_factors
+    from tests.archives import good_archive
+
+    dest = tmp_path / "cache"
+    restore(good_archive(tmp_path / "a.kiln.tar.zst"), dest)
+    sourced = subprocess.run(
+        ["sh", "-c", '. "$1/kiln.env" && printf %s "${TRITON_CACHE_DIR-unset}"', "sh", dest],
+        env={"PATH": os.environ["PATH"], "TRITON_CACHE_DIR": str(tmp_path / "elsewhere")},
+        capture_output=True,
+        text=True,
+        check=True,
+    )
+    assert sourced.stdout == "unset"
+    assert moved_cache_factors({}, "cuda") == []
+    (cuda,) = moved_cache_factors({"TRITON_CACHE_DIR": "/x"}, "cuda")
+    assert cuda.name == "env.TRITON_CACHE_DIR" and cuda.here == "/x" and cuda.causes_miss
+    (cpu,) = moved_cache_factors({"TRITON_CACHE_DIR": "/x"}, "cpu")
+    assert not cpu.matches and not cpu.causes_miss
+
+
+@pytest.mark.slow  # imports torch and Inductor in a fresh process
+def test_activate_drops_a_moved_triton_cache(baked, tmp_path: Path) -> None:
+    from kiln.artifact.restore import restore
+
+    dest = tmp_path / "cache"
+    restore(baked[1].artifact, dest)
+    code = (
+        "import os, sys, kiln; kiln.activate(sys.argv[1], compat='ignore'); "
+        "print(os.environ.get('TRITON_CACHE_DIR', 'unset'))"
+    )
+    proc = subprocess.run(
+        [sys.executable, "-c", code, str(dest)],
+        env={**os.environ, "TRITON_CACHE_DIR": str(tmp_path / "elsewhere")},
+        capture_output=True,
+        text=True,
+    )
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert proc.stdout.strip() == "unset"
 
 
 @pytest.mark.slow  # each check compiles Inductor's CPU-ISA probes: ~25 s on 2 cores

@@ -207,6 +207,16 @@ def location_env(layout: CacheLayout) -> dict[str, str]:
     }
 
 
+# What a served process must not have set: each would move a cache kiln ships out of DEST. With
+# TRITON_CACHE_DIR set, Inductor keeps its Triton kernels there instead of in its own cache
+# folder's triton/<device> (torch._inductor.runtime.cache_dir_utils.triton_cache_dir), so the
+# kernels and launchers the artifact ships are never looked for, and Triton builds the launchers
+# again with gcc in every new pod. kiln.env unsets them, activate() drops them from the process's
+# environment, ``kiln check`` names one that is set; bake and verify workers never inherit them
+# (:func:`worker_env`).
+UNSET_ENV = ("TRITON_CACHE_DIR",)
+
+
 def cache_env(dest: Path, env: Mapping[str, str], rank: int | None = None) -> dict[str, str]:
     """The environment a serving process needs to hit the caches restored at ``dest``.
 
@@ -361,6 +371,7 @@ def env_file_text(dest: Path, name: str, env: Mapping[str, str], world: int | No
                 lines.extend(_rank_lines(dest, world))
             continue
         lines.append(f"export {key}={shlex.quote(value)}")
+    lines.append(f"unset {' '.join(UNSET_ENV)}")
     if world is None:
         lines.extend(_cuda_copy_lines(dest, None))
     return "\n".join(lines) + "\n"

@@ -32,6 +32,7 @@ from kiln.factors import BUILD_FACTORS
 from kiln.installs import torch_build
 from kiln.layout import MAX_MANIFEST_BYTES, CacheLayout
 from kiln.serving import (
+    UNSET_ENV,
     OnMiss,
     cache_env,
     served_cuda_cache,
@@ -207,6 +208,9 @@ def activate(
         layout = CacheLayout(cache, rank)
         env = _serving_env(cache, manifest, rank, notes)
         os.environ.update(env)
+        for var in UNSET_ENV:  # each would move a shipped cache out of DIR (kiln.serving)
+            if (moved := os.environ.pop(var, None)) is not None:
+                log.info("kiln: %s=%s unset: the artifact's caches are under %s", var, moved, cache)
         import torch
 
         activation = Activation(

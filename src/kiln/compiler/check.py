@@ -16,7 +16,12 @@ from typing import Any
 
 from kiln.artifact.archive import read_manifest
 from kiln.artifact.manifest import Manifest
-from kiln.compiler.location import environ_with, location_factor, probe_inductor_dir
+from kiln.compiler.location import (
+    environ_with,
+    location_factor,
+    moved_cache_factors,
+    probe_inductor_dir,
+)
 from kiln.errors import IncompatibleError
 from kiln.factors import Factor, compare, misses
 from kiln.serving import SERVING_ENV, SERVING_NOTES
@@ -180,6 +185,7 @@ def check(
         report.factors.append(where)
     if manifest.aoti is None:  # the aoti route starts no Inductor, so has no pool to race
         report.factors.extend(serving_env_factors(os.environ, device))
+        report.factors.extend(moved_cache_factors(os.environ, device))
     return report
 
 

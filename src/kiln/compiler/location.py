@@ -31,6 +31,7 @@ from pathlib import Path
 from kiln.artifact.manifest import Manifest
 from kiln.factors import Factor
 from kiln.layout import CacheLayout
+from kiln.serving import UNSET_ENV
 
 CACHE_VAR = "TORCHINDUCTOR_CACHE_DIR"
 FACTOR = f"env.{CACHE_VAR}"
@@ -63,6 +64,21 @@ def location_factor(
         "server uses"
     )
     return Factor(FACTOR, str(expected), here, False, True, note)
+
+
+def moved_cache_factors(environ: Mapping[str, str], device: str) -> list[Factor]:
+    """Each :data:`~kiln.serving.UNSET_ENV` variable set in this process: kiln.env unsets it and
+    activate() drops it, because it would move a shipped cache out of DIR. A miss on CUDA (the
+    Triton kernels and their launchers), a note on the CPU, which runs no Triton."""
+    note = (
+        "set here, where kiln.env unsets it: Inductor would keep its Triton kernels there, not "
+        "under DIR, and build their launchers again with gcc"
+    )
+    return [
+        Factor(f"env.{var}", None, environ[var], False, device == "cuda", note)
+        for var in UNSET_ENV
+        if environ.get(var)
+    ]
 
 
 PROBES_DIR = "isa-probes"
