@@ -204,7 +204,7 @@ def test_a_bake_on_an_image_without_bytecode_ships_it_and_verify_serves_it(
     assert not any(empty.iterdir())  # nothing compiled and written by the served process
 
 
-def test_the_spec_decides_whether_a_bakeships_bytecode(write_spec) -> None:
+def test_the_spec_decides_whether_a_bake_ships_bytecode(write_spec) -> None:
     from kiln.compiler.bake import ships_bytecode
     from kiln.spec import load_spec
     from tests.conftest import mlp_spec

@@ -254,8 +254,8 @@ def test_the_cache_location_factor(tmp_path: Path) -> None:
 
 def test_a_moved_triton_cache_is_unset_by_kiln_env_and_named_by_check(tmp_path: Path) -> None:
     """TRITON_CACHE_DIR set in the serving image would move Inductor's Triton kernels (and the
-    launchers Triton builds for them) out of DIR: kiln.env unsets it; check names it, a miss on
-    CUDA, a note on the CPU."""
+    launchers Triton builds for them) out of DIR: kiln.env unsets it; check names it as a note
+    (judged as kiln.env and activate() leave the process), unless it points into DIR."""
     from kiln.artifact.restore import restore
     from kiln.compiler.location import moved_cache_factors
     from tests.archives import good_archive
@@ -270,11 +270,14 @@ def test_a_moved_triton_cache_is_unset_by_kiln_env_and_named_by_check(tmp_path: 
         check=True,
     )
     assert sourced.stdout == "unset"
-    assert moved_cache_factors({}, "cuda") == []
-    (cuda,) = moved_cache_factors({"TRITON_CACHE_DIR": "/x"}, "cuda")
-    assert cuda.name == "env.TRITON_CACHE_DIR" and cuda.here == "/x" and cuda.causes_miss
-    (cpu,) = moved_cache_factors({"TRITON_CACHE_DIR": "/x"}, "cpu")
-    assert not cpu.matches and not cpu.causes_miss
+    inductor = dest / "inductor"
+    assert moved_cache_factors({}, inductor) == []
+    (moved,) = moved_cache_factors({"TRITON_CACHE_DIR": "/x"}, inductor)
+    assert moved.name == "env.TRITON_CACHE_DIR" and (moved.baked, moved.here) == ("unset", "/x")
+    assert not moved.matches and not moved.causes_miss and "kiln.env unsets it" in moved.note
+    # Where torch puts it itself, at its first Triton kernel: DIR's own folder.
+    assert moved_cache_factors({"TRITON_CACHE_DIR": str(inductor / "triton" / "0")}, inductor) == []
+    assert len(moved_cache_factors({"TRITON_CACHE_DIR": "/x"}, None)) == 1  # an artifact file
 
 
 @pytest.mark.slow  # imports torch and Inductor in a fresh process
@@ -318,10 +321,12 @@ def test_check_of_a_moved_folder_is_exit_5_naming_the_cache_location(cli, tmp_pa
     assert "env.TORCHINDUCTOR_CACHE_DIR" in line and str(first / "inductor") in line
     assert "compatible" not in proc.stdout.replace("incompatible", "")
     # A serving setting outside the cache keys is named; on the CPU it is a note, not a miss.
-    threads = {"TORCHINDUCTOR_COMPILE_THREADS": "4"}
+    # So is a TRITON_CACHE_DIR of the server's own (kiln.env unsets it): a note everywhere.
+    threads = {"TORCHINDUCTOR_COMPILE_THREADS": "4", "TRITON_CACHE_DIR": str(tmp_path / "t")}
     ok = cli("check", moved, env={"TORCHINDUCTOR_CACHE_DIR": str(moved / "inductor"), **threads})
     assert ok.returncode == 0, ok.stderr
     assert "TORCHINDUCTOR_COMPILE_THREADS" in ok.stdout, ok.stdout
+    assert "env.TRITON_CACHE_DIR" in ok.stdout, ok.stdout
 
 
 def test_check_names_a_serving_setting_the_server_overrides() -> None:

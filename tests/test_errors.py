@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 from kiln.cli.output import FLAGS, classify, flagged, json_text
-from kiln.errors import Param, ParameterError, UsageError, Worded
+from kiln.errors import PackageLoadError, Param, ParameterError, UsageError, Worded
 from tests.archives import good_archive
 from tests.conftest import mlp_spec
 from tests.test_plan import SPEC, long_tail
@@ -310,3 +310,15 @@ def test_no_library_module_words_a_message_as_a_flag() -> None:
             text = re.sub(r"kiln [a-z]+( [A-Z]+)?( --[a-z-]+( [A-Z]+)?)+", "", node.value)
             found += [f"{rel}:{node.lineno}: {f}" for f in FLAG.findall(text) if f not in allowed]
     assert found == []
+
+
+def test_a_package_load_error_keeps_its_parts_through_a_pickle() -> None:
+    """Its message is built from problem and advice: pickled as a plain Exception, the advice
+    would be added twice."""
+    error = pickle.loads(pickle.dumps(PackageLoadError("library a.so is missing", advice="redo")))
+    assert (str(error), error.problem, error.advice) == (
+        "library a.so is missing: redo",
+        "library a.so is missing",
+        "redo",
+    )
+    assert error.exit_code == 6

@@ -194,11 +194,15 @@ class VerificationError(KilnError):
 
 
 class PackageLoadError(VerificationError):
-    """A restored AOTInductor package's library is gone or does not load: the folder is no
-    longer what was restored (a file deleted or damaged), so it cannot serve its buckets (exit
-    6, as a miss). ``problem`` is the message without its advice, for a caller that gives its
-    own (verify names the folder's drift instead)."""
+    """A restored AOTInductor package's library is gone or damaged (missing, or dlopen refuses
+    the file itself): the folder is no longer what was restored, so it cannot serve its buckets
+    (exit 6, as a miss). ``problem`` is the message without its ``advice``; verify gives the
+    folder's drift as the advice instead."""
 
-    def __init__(self, problem: str) -> None:
-        super().__init__(f"{problem}: restore the artifact again")
-        self.problem = problem
+    def __init__(self, problem: str, advice: str = "restore the artifact again") -> None:
+        super().__init__(f"{problem}: {advice}")
+        self.problem, self.advice = problem, advice
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        # Rebuilt from its arguments (an Exception pickles its message alone).
+        return (type(self), (self.problem, self.advice))

@@ -350,7 +350,8 @@ def _cuda_copy_lines(dest: Path, rank_var: str | None) -> list[str]:
 
 
 def env_file_text(dest: Path, name: str, env: Mapping[str, str], world: int | None = None) -> str:
-    """``kiln.env``: :func:`cache_env` as shell ``export`` lines, every value quoted.
+    """``kiln.env``: :func:`cache_env` as shell ``export`` lines, every value quoted, then an
+    ``unset`` of :data:`UNSET_ENV`.
 
     Keys are re-checked here even though the manifest reader checked them: this text is run by
     a shell, so it must be safe whatever the caller passed. For a K-rank artifact (``world``

@@ -29,7 +29,7 @@ from typing import Any
 
 from kiln.artifact.manifest import Aoti, AotiInput, AotiProgram, TensorMeta
 from kiln.compiler.aoti_serve import AotiModel, dtype_name, model_tensors
-from kiln.compiler.failures import SpecProblem
+from kiln.compiler.failures import SpecProblem, one_line
 from kiln.layout import CacheLayout
 
 # A package's path in the manifest is relative to its layout's folder (a rank's, or the root).
@@ -156,11 +156,10 @@ class AotiBuilder:
             )
         except Exception as exc:  # torch raises many kinds; each is the model's problem here
             where = user_frame(exc, self.base)
-            first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
             at = f" at {where}" if where else ""
             raise AotiBuildError(
                 "compile.route",
-                f"torch.export failed{at}: {type(exc).__name__}: {first[:300]} (route: aoti "
+                f"torch.export failed{at}: {type(exc).__name__}: {one_line(exc)} (route: aoti "
                 "needs one full graph; route: compile serves graph breaks)",
             ) from exc
         package = dest.parent / f"{dest.name}.pt2"

@@ -41,6 +41,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from kiln.artifact.manifest import Aoti, AotiInput, AotiProgram, Manifest
+from kiln.compiler.failures import one_line
 from kiln.errors import KilnError, PackageLoadError
 from kiln.grid import Bucket
 from kiln.padding import OffGridError
@@ -109,17 +110,21 @@ def runner_for(library: Path, device: str, device_index: int) -> Any:
 
 
 def _load(library: Path, where: str, device: str, device_index: int) -> Any:
-    """:func:`runner_for`, with a library that is missing or does not load named (``where``,
-    its path in the restored folder) as a :class:`PackageLoadError`: torch's own error is a
-    multi-line ``RuntimeError`` from dlopen."""
+    """:func:`runner_for`, with a library that is missing, or that dlopen refuses as a file
+    (torch's ``Error in dlopen: LIBRARY: …``), named (``where``: its path in the restored
+    folder) as a :class:`~kiln.errors.PackageLoadError`. Any other failure (a library it needs
+    missing from the image, the device, memory) is torch's own error, unchanged."""
     if not library.is_file():
         raise PackageLoadError(f"AOTInductor package library {where} is missing")
     try:
         return runner_for(library, device, device_index)
     except RuntimeError as exc:
-        first = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
+        first = one_line(exc)
+        if f"dlopen: {library}:" not in first:
+            raise
+        reason = first.split(f"{library}:", 1)[1].strip()
         raise PackageLoadError(
-            f"AOTInductor package library {where} does not load ({first})"
+            f"AOTInductor package library {where} does not load ({reason})"
         ) from exc
 
 

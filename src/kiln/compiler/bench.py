@@ -24,7 +24,8 @@ time to ready, steady latency, and the two artifacts' sizes.
 
 With ``workdir``, the bakes stay in that folder, and a later bench there reuses each one that
 still matches (:func:`reusable_bake`: the same spec, model source and kiln version, the artifact
-unchanged, and ``kiln check``'s verdict on this machine: compatible) instead of baking again:
+unchanged, the Python bytecode a bake here would ship, and ``kiln check``'s verdict on this
+machine: compatible) instead of baking again:
 the modes can then be run again, others added, or ``--repeat`` raised, for the price of the
 served runs alone. Every served run still gets a fresh folder.
 """

@@ -21,6 +21,7 @@ from kiln.compiler.location import (
     location_factor,
     moved_cache_factors,
     probe_inductor_dir,
+    served_inductor,
 )
 from kiln.errors import IncompatibleError
 from kiln.factors import Factor, compare, misses
@@ -185,7 +186,9 @@ def check(
         report.factors.append(where)
     if manifest.aoti is None:  # the aoti route starts no Inductor, so has no pool to race
         report.factors.extend(serving_env_factors(os.environ, device))
-        report.factors.extend(moved_cache_factors(os.environ, device))
+        report.factors.extend(
+            moved_cache_factors(os.environ, served_inductor(target, manifest, rank))
+        )
     return report
 
 

@@ -1,6 +1,7 @@
 """What a worker pass fails with: the spec's problem at a key (exit 2), or what was baked being
-unusable here (exit 5). The worker's ``main`` (and replay's) turns each into its
-:class:`~kiln.compiler.protocol.WorkerFailure` kind; the parent words it at the spec's
+unusable here (exit 5); a restored package that no longer loads is
+:class:`kiln.errors.PackageLoadError` (exit 6). The worker's ``main`` (and replay's) turns each
+into its :class:`~kiln.compiler.protocol.WorkerFailure` kind; the parent words the spec's at its
 ``file:line:col``. Torch-free.
 """
 

@@ -37,6 +37,16 @@ CACHE_VAR = "TORCHINDUCTOR_CACHE_DIR"
 FACTOR = f"env.{CACHE_VAR}"
 
 
+def served_inductor(target: str | Path, manifest: Manifest, rank: int | None) -> Path | None:
+    """The Inductor cache folder a server of the restored folder ``target`` (this rank's, of a
+    K-rank artifact) uses; None for an artifact file, which is restored nowhere yet."""
+    folder = Path(target)
+    if not folder.is_dir():
+        return None
+    serving_rank = (rank or 0) if manifest.distributed is not None else None
+    return CacheLayout(folder.absolute(), serving_rank).inductor
+
+
 def location_factor(
     target: str | Path,
     manifest: Manifest,
@@ -46,15 +56,13 @@ def location_factor(
     """This process's ``TORCHINDUCTOR_CACHE_DIR`` against the restored folder ``target`` (None
     for an artifact file, which is restored nowhere yet). Unset is a note, not a miss: a server
     that calls ``kiln.activate(DIR)`` sets it itself. Set to anything but DIR's folder is a miss."""
-    folder = Path(target)
-    if not folder.is_dir():
+    expected = served_inductor(target, manifest, rank)
+    if expected is None:
         return None
     environ = os.environ if environ is None else environ
-    serving_rank = (rank or 0) if manifest.distributed is not None else None
-    expected = CacheLayout(folder.absolute(), serving_rank).inductor
     here = environ.get(CACHE_VAR) or None
     if here is None:
-        note = f"not set here: serve through kiln.activate(DIR), or source {folder}/kiln.env"
+        note = f"not set here: serve through kiln.activate(DIR), or source {target}/kiln.env"
         return Factor(FACTOR, str(expected), None, False, False, note)
     if os.path.realpath(here) == os.path.realpath(expected):
         return Factor(FACTOR, str(expected), here, True, False, "where this process's caches are")
@@ -66,19 +74,28 @@ def location_factor(
     return Factor(FACTOR, str(expected), here, False, True, note)
 
 
-def moved_cache_factors(environ: Mapping[str, str], device: str) -> list[Factor]:
-    """Each :data:`~kiln.serving.UNSET_ENV` variable set in this process: kiln.env unsets it and
-    activate() drops it, because it would move a shipped cache out of DIR. A miss on CUDA (the
-    Triton kernels and their launchers), a note on the CPU, which runs no Triton."""
-    note = (
-        "set here, where kiln.env unsets it: Inductor would keep its Triton kernels there, not "
-        "under DIR, and build their launchers again with gcc"
-    )
-    return [
-        Factor(f"env.{var}", None, environ[var], False, device == "cuda", note)
-        for var in UNSET_ENV
-        if environ.get(var)
-    ]
+def moved_cache_factors(environ: Mapping[str, str], inductor: Path | None) -> list[Factor]:
+    """Each :data:`~kiln.serving.UNSET_ENV` variable this process has, unless it points into
+    ``inductor`` (:func:`served_inductor`), where torch sets ``TRITON_CACHE_DIR`` itself at its
+    first Triton kernel. A note, not a miss: kiln.env unsets it and activate() drops it (check
+    judges the process as one of those will leave it), but a server that copies kiln.env's
+    variables into its environment instead must not set it."""
+    out = []
+    for var in UNSET_ENV:
+        here = environ.get(var)
+        if not here:
+            continue
+        if inductor is not None and Path(os.path.realpath(here)).is_relative_to(
+            os.path.realpath(inductor)
+        ):
+            continue
+        note = (
+            "kiln.env unsets it and kiln.activate() drops it; set in a server's own environment, "
+            "Inductor keeps its Triton kernels there, not under DIR, and Triton builds their "
+            "launchers again with gcc"
+        )
+        out.append(Factor(f"env.{var}", "unset", here, False, False, note))
+    return out
 
 
 PROBES_DIR = "isa-probes"

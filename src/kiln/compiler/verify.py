@@ -32,13 +32,7 @@ from kiln.compiler.check import CheckReport, compare_manifest
 from kiln.compiler.dynamo_log import RESUME_FRAME
 from kiln.compiler.launch import WorkerRun, run_worker
 from kiln.compiler.protocol import WorkerRequest, input_stream
-from kiln.errors import (
-    IncompatibleError,
-    NotFoundError,
-    PackageLoadError,
-    UsageError,
-    VerificationError,
-)
+from kiln.errors import IncompatibleError, NotFoundError, PackageLoadError, UsageError
 from kiln.events import EventSink
 from kiln.files import atomic_write
 from kiln.grid import expand, off_grid, ordered
@@ -292,7 +286,7 @@ def verify(
     except PackageLoadError as exc:  # the folder could not serve at all: say what changed
         if not changes:
             raise
-        raise VerificationError(f"{changed_line(changes)}; {exc.problem}") from exc
+        raise PackageLoadError(exc.problem, advice=changed_line(changes)) from exc
     # The route the artifact is made for leads the timings.
     lead = next((run for route, run in runs if route == made_for(manifest)), runs[0][1])
     report = VerifyReport(
