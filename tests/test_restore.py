@@ -5,6 +5,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -160,6 +161,11 @@ def _edit_same_size(path: Path) -> None:
     os.utime(path, ns=(st.st_atime_ns, st.st_mtime_ns))
 
 
+def _drop_line(path: Path, prefix: str) -> None:
+    lines = path.read_text().splitlines(keepends=True)
+    path.write_text("".join(line for line in lines if not line.startswith(prefix)))
+
+
 @pytest.mark.parametrize(
     ("change", "counts"),
     [
@@ -168,8 +174,11 @@ def _edit_same_size(path: Path) -> None:
         (lambda d: (d / "inductor/xy/new.py").write_text("x = 1\n"), (1, 0, 0)),
         (lambda d: (d / "inductor/xy/k.py").unlink(), (0, 0, 1)),
         (lambda d: (d / "inductor/xy/k.py").chmod(0o755), None),  # metadata only: still a no-op
+        # kiln.env as an older kiln wrote it (no `unset` line), or gone: written anew.
+        (lambda d: _drop_line(d / "kiln.env", "unset "), (0, 1, 0)),
+        (lambda d: (d / "kiln.env").unlink(), (0, 0, 1)),
     ],
-    ids=["edited", "truncated", "added", "removed", "chmod"],
+    ids=["edited", "truncated", "added", "removed", "chmod", "old-env", "no-env"],
 )
 def test_repeat_restore_reinstalls_a_changed_dest(
     tmp_path: Path, change, counts: tuple[int, int, int] | None
@@ -192,6 +201,25 @@ def test_repeat_restore_reinstalls_a_changed_dest(
         assert {k: v for k, v in tree(dest).items() if k.startswith("inductor/")} == FILES
         assert restore(art, dest, sha256=pin).noop  # installed again: a no-op once more
         change(dest)
+
+
+def test_a_copied_folder_restored_at_its_new_path_gets_its_own_kiln_env(tmp_path: Path) -> None:
+    """kiln.env names the path DEST was restored at: a copy restored where it now lies is not
+    a no-op (the copy's kiln.env points at the old folder), and after it serves its own path."""
+    art = good_archive(tmp_path / "a.kiln.tar.zst", FILES)
+    first = tmp_path / "first"
+    restore(art, first)
+    moved = tmp_path / "moved"
+    shutil.copytree(first, moved, symlinks=True)
+    events: list = []
+    again = restore(art, moved, on_event=events.append)
+    assert not again.noop
+    assert [(e.added, e.changed, e.removed) for e in events if isinstance(e, DestChanged)] == [
+        (0, 1, 0)
+    ]
+    text = (moved / "kiln.env").read_text()
+    assert str(moved / "inductor") in text and str(first) not in text
+    assert restore(art, moved).noop and restore(art, first).noop
 
 
 def test_cli_says_dest_changed_and_reinstalls(tmp_path: Path, cli) -> None:

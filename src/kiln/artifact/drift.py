@@ -5,7 +5,8 @@ what was installed: a file edited, added or deleted there (by hand, by a process
 into the cache) must be noticed and the artifact installed again. Checking must stay cheap,
 because a no-op restore runs at every pod start: one ``lstat`` per file, and only files whose
 size differs from the manifest's, or whose inode changed (``st_ctime``, which no user can set
-back) after the install was stamped, are read and hashed.
+back) after the install was stamped, are read and hashed; and ``kiln.env`` is compared with
+what this kiln writes for DEST's path (:func:`env_drift`).
 """
 
 from __future__ import annotations
@@ -18,7 +19,8 @@ from pathlib import Path
 
 from kiln.artifact.archive import sha256_file
 from kiln.artifact.manifest import FileEntry, Manifest
-from kiln.layout import LOCKS_TARGET, RESERVED_NAMES, lock_links
+from kiln.layout import ENV_NAME, LOCKS_TARGET, RESERVED_NAMES, CacheLayout, lock_links
+from kiln.serving import env_file_text
 
 
 @dataclass(frozen=True)
@@ -92,4 +94,24 @@ def changes(
             ):
                 changed.append(rel)
     removed = sorted(set(expected) - seen)
-    return Changes(sorted(added), sorted(changed), removed)
+    env = env_drift(dest, manifest)
+    if env is not None:
+        (changed if env else removed).append(ENV_NAME)
+    return Changes(sorted(added), sorted(changed), sorted(removed))
+
+
+def env_drift(dest: Path, manifest: Manifest) -> bool | None:
+    """Whether ``dest``'s ``kiln.env`` differs from what this kiln writes for it (True), is
+    missing (False), or is as written (None). It names the absolute path DEST was restored at
+    and what a served process must set and unset (:func:`kiln.serving.env_file_text`): a
+    folder moved or copied elsewhere, a file edited, or one an older kiln wrote no longer
+    serves as this kiln's would, and installing again writes it anew."""
+    want = env_file_text(Path(dest).absolute(), manifest.name, manifest.env, manifest.rank_world)
+    try:
+        with open(CacheLayout(dest).env_file, "rb") as fh:
+            have = fh.read(len(want.encode()) + 1)
+    except FileNotFoundError:
+        return False
+    except OSError:
+        return True
+    return None if have == want.encode() else True
