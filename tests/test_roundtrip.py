@@ -207,13 +207,19 @@ from torch._dynamo.utils import counters
 with torch.inference_mode():
     for b in (5, 2, 3):
         m(torch.randn(b, 16), scale=2.0)
-print(json.dumps({{"act": act.to_dict(), "inductor": dict(counters["inductor"])}}))
+import os
+moved = os.environ.get("TRITON_CACHE_DIR")
+print(json.dumps({{"act": act.to_dict(), "inductor": dict(counters["inductor"]), "moved": moved}}))
 """
+    # The image sets TRITON_CACHE_DIR (it would move Inductor's Triton kernels out of DIR):
+    # activate() drops it.
+    moved = {**os.environ, "TRITON_CACHE_DIR": str(tmp_path / "elsewhere")}
     proc = subprocess.run(
-        [sys.executable, "-c", server], capture_output=True, text=True, timeout=300
+        [sys.executable, "-c", server], capture_output=True, text=True, timeout=300, env=moved
     )
     assert proc.returncode == 0, proc.stderr[-2000:]
     out = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert out["moved"] is None
     assert out["act"]["compatible"] is True
     assert out["inductor"].get("fxgraph_cache_miss", 0) == 0
     assert out["inductor"]["fxgraph_cache_hit"] == 3
