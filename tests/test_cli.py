@@ -88,8 +88,6 @@ def test_env_devices_are_the_devices_a_spec_names() -> None:
 @pytest.mark.slow  # `kiln check` and kiln.activate() import torch in two fresh processes
 def test_check_and_activate_word_an_incompatibility_alike(cli, tmp_path: Path) -> None:
     """One CheckReport method words the miss: `kiln check` exits 5 with what activate raises."""
-    import subprocess
-
     import kiln
     from tests.archives import FILES, manifest_for, reg, write_archive
 

@@ -106,12 +106,13 @@ def env_drift(dest: Path, manifest: Manifest) -> bool | None:
     and what a served process must set and unset (:func:`kiln.serving.env_file_text`): a
     folder moved or copied elsewhere, a file edited, or one an older kiln wrote no longer
     serves as this kiln's would, and installing again writes it anew."""
-    want = env_file_text(Path(dest).absolute(), manifest.name, manifest.env, manifest.rank_world)
+    text = env_file_text(Path(dest).absolute(), manifest.name, manifest.env, manifest.rank_world)
+    want = text.encode()
     try:
         with open(CacheLayout(dest).env_file, "rb") as fh:
-            have = fh.read(len(want.encode()) + 1)
+            have = fh.read(len(want) + 1)  # one byte more: a longer file differs
     except FileNotFoundError:
         return False
     except OSError:
         return True
-    return None if have == want.encode() else True
+    return None if have == want else True
