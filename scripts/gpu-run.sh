@@ -109,6 +109,10 @@ for f in sorted(pathlib.Path(sys.argv[1]).glob("*/first-process.jsonl")):
             print(f"{r['spec']:26} {r['order']:8} ro={r['read_only']!s:5} rc={r['rc']} "
                   f"work={r['work']} benchmarks={r['benchmarks']} dest={r['dest']} "
                   f"home={len(r['home'])} tmp={len(r['tmp'])}")
+        elif "triton_cache_dir" in r:
+            print(f"{r['spec']:26} TRITON_CACHE_DIR {r['triton_cache_dir']:14} rc={r['rc']} "
+                  f"work={r['work']} benchmarks={r['benchmarks']} dest={r['dest']} "
+                  f"moved={len(r['moved'])}: {r['moved'][:4]}")
         elif "verify" in r:
             v = r["verify"]
             print(f"{r['spec']:26} verify   ok={v.get('ok')} compiles={v.get('compiles')}")

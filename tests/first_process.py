@@ -11,6 +11,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import shlex
 import subprocess
 import sys
 from dataclasses import dataclass, field
@@ -148,15 +149,18 @@ def serve_like_a_user(
     seed: int = 0,
     server: Path = USER_SERVER,
     env: dict[str, str] | None = None,
+    exports: dict[str, str] | None = None,
     timeout: float = 900,
 ) -> Served:
-    """Run ``server`` as the next process on ``dest`` (``. dest/kiln.env`` first)."""
+    """Run ``server`` as the next process on ``dest`` (``. dest/kiln.env`` first). ``env`` is
+    the image's environment, which ``kiln.env`` may change; ``exports`` are set after it."""
     home, tmp = work / "home", work / "tmp"
     home.mkdir(parents=True)
     tmp.mkdir(parents=True)
     out = work / "served.json"
     before = digest_tree(dest)
-    script = '. "$1/kiln.env" && shift && exec "$@"'
+    after = "".join(f"export {k}={shlex.quote(v)} && " for k, v in (exports or {}).items())
+    script = f'. "$1/kiln.env" && {after}shift && exec "$@"'
     argv = [sys.executable, str(server), str(spec), str(out), "--order", order]
     argv += ["--seed", str(seed)]
     proc = subprocess.run(

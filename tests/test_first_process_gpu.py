@@ -161,3 +161,40 @@ def test_verify_names_a_lost_package_library(baked, tmp_path: Path) -> None:
     record(spec.stem, {"lost": str(failed.value)})
     assert f"-{where}" in str(failed.value), failed.value
     assert f"AOTInductor package library {where} is missing" in str(failed.value), failed.value
+
+
+def test_an_image_triton_cache_dir_moves_nothing(baked, tmp_path: Path) -> None:
+    """``TRITON_CACHE_DIR`` set in the serving image (a common Dockerfile line): torch's
+    ``triton_cache_dir`` prefers it to Inductor's own folder, so Triton's kernels, and the
+    launchers Triton builds for them, would be looked up and built there. ``kiln.env`` unsets it:
+    the user's first process does no work and writes nowhere. The control sets it again after
+    ``kiln.env`` and records what the process then did (docs/first-process.md)."""
+    spec, artifact = baked
+    if kiln.read_manifest(artifact).aoti is not None:
+        pytest.skip(f"{spec.stem}: the AOT route loads no Triton kernel through Triton")
+    runs = {}
+    for i, exported in enumerate((False, True)):
+        dest = tmp_path / f"pod{i}" / "opt" / "kiln"
+        kiln.restore(artifact, dest)
+        moved = tmp_path / f"image-triton-cache{i}"
+        setting = {"TRITON_CACHE_DIR": str(moved)}
+        served = serve_like_a_user(
+            spec,
+            dest,
+            tmp_path / f"run{i}",
+            env=None if exported else setting,
+            exports=setting if exported else None,
+        )
+        runs[exported] = served, sorted(digest_tree(moved))
+        record(
+            spec.stem,
+            {
+                "triton_cache_dir": "after kiln.env" if exported else "image",
+                **served.summary(),
+                "moved": runs[exported][1],
+            },
+        )
+        assert served.returncode == 0, served.stderr
+    served, written = runs[False]
+    assert served.work() == {} and served.benchmarks() == 0, served.summary()
+    assert not served.dest and served.home == [] and written == [], served.summary()
