@@ -100,6 +100,14 @@ def test_two_ranks_serve_their_packages_with_collectives(tmp_path: Path, cli) ->
     report = json.loads(run.stdout)
     assert report["route"] == "aoti" and report["compiles"] == 0
     assert report["compiler_modules"] == [] and report["ranks"] == 2
+    # Rank 1's package library lost: verify names it by its path in DIR, as the drift does.
+    program = ranks[1].programs[0]
+    where = f"ranks/1/{program.path}/{program.library}"
+    (tmp_path / "restored" / where).unlink()
+    run = cli("verify", spec, "--cache", tmp_path / "restored", "--json")
+    assert run.returncode == 6, run.stderr[-3000:]
+    error = json.loads(run.stdout)["error"]
+    assert f"-{where}" in error and f"AOTInductor package library {where} is missing" in error
 
 
 # --- what a served process checks ------------------------------------------------------------

@@ -44,6 +44,7 @@ from kiln.artifact.manifest import Aoti, AotiInput, AotiProgram, Manifest
 from kiln.compiler.failures import one_line
 from kiln.errors import KilnError, PackageLoadError
 from kiln.grid import Bucket
+from kiln.layout import CacheLayout
 from kiln.padding import OffGridError
 
 if TYPE_CHECKING:
@@ -185,9 +186,10 @@ class AotiModel:
         self._weights = self._checked_weights(model) if info.weights == "external" else {}
         self._exact: dict[tuple[tuple[int, ...], ...], _Program] = {}
         self._ranged: list[_Program] = []
+        shown = CacheLayout.of_dir(folder).prefix  # a rank's folder: ranks/R/, as verify names it
         for p in info.programs:
             library = folder / p.path / p.library
-            where = f"{p.path}/{p.library}"
+            where = f"{shown}{p.path}/{p.library}"
             runner = _load(library, where, info.device, device_index)
             if self._weights:
                 constants, missing = constants_for(runner, self._weights)

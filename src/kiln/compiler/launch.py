@@ -127,7 +127,9 @@ def run_worker(
         )
     failed = [(i, o.failure) for i, o in enumerate(outcomes) if o and o.failure is not None]
     if failed:
-        rank, failure = failed[0]
+        # The cause first: a rank that failed for a reason kiln names (its spec, the folder)
+        # takes its peers down in their collectives, which fail as torch's "connection closed".
+        rank, failure = min(failed, key=lambda f: f[1].kind == "internal")
         return _raise(spec, failure, log, f"rank {rank}: " if world else "")
     missing = [i for i, o in enumerate(outcomes) if o is None]
     if missing:
