@@ -358,16 +358,21 @@ def test_activate_sets_each_compile_default_on_an_imported_config() -> None:
     activate() sets the config too, to the value torch would have read."""
     from kiln.compiler.activate import _CONFIG_BACKED
 
-    for var, value in (COMPILE_DEFAULTS | GPU_COMPILE_DEFAULTS).items():
-        module, attr, parse = _CONFIG_BACKED[var]
-        read = subprocess.run(
-            [sys.executable, "-c", f"import {module} as c; print(repr(c.{attr}))"],
-            env={**os.environ, var: value},
-            capture_output=True,
-            text=True,
-            check=True,
-        )
-        assert read.stdout.strip() == repr(parse(value)), var
+    defaults = COMPILE_DEFAULTS | GPU_COMPILE_DEFAULTS
+    # One process reads them all: each variable sets its own config attribute.
+    reads = [_CONFIG_BACKED[var][:2] for var in defaults]
+    script = "import importlib\n" + "".join(
+        f"print(repr(importlib.import_module({module!r}).{attr}))\n" for module, attr in reads
+    )
+    read = subprocess.run(
+        [sys.executable, "-c", script],
+        env={**os.environ, **defaults},
+        capture_output=True,
+        text=True,
+        check=True,
+    )
+    expected = [repr(_CONFIG_BACKED[var][2](value)) for var, value in defaults.items()]
+    assert read.stdout.split("\n")[:-1] == expected, list(defaults)
 
 
 def test_served_torch_kwargs_are_what_the_bake_recorded(write_spec) -> None:

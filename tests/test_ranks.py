@@ -491,47 +491,13 @@ def test_bench_runs_every_rank(tp_benched) -> None:
     assert report["modes"]["kiln"]["compiles"] == 0
 
 
-@pytest.mark.slow  # ~1.5 min on 2 cores: 2 kiln processes under torchrun, then a verify
-def test_a_bake_inside_a_users_torchrun_restores_and_hits_on_both_ranks(tmp_path: Path) -> None:
-    """``torchrun --nproc-per-node 2 -m kiln bake``: each kiln process runs its own rank's
-    worker; rank 0 writes the artifact, rank 1 says it baked and writes none. Restored at a new
-    path, it serves both ranks with zero compiles."""
-    import kiln
-
-    out = tmp_path / "tp.kiln.tar.zst"
-    spec_path = ROOT / "configs" / "tp-mlp-cpu.yaml"
-    command = [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        "--standalone",
-        "--nproc-per-node",
-        "2",
-        "-m",
-        "kiln",
-        "bake",
-        str(spec_path),
-        "-o",
-        str(out),
-        "--no-prove",
-    ]
-    src = str(ROOT / "src")
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([src, os.environ.get("PYTHONPATH", "")])}
-    proc = subprocess.run(command, env=env, capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    assert proc.stderr.count("rank 1: baked; rank 0 writes the artifact") == 1
-    m = read_manifest(out)
-    assert m.distributed is not None and [r.rank for r in m.distributed.ranks] == [0, 1]
-    assert all(len(r.grid) == 3 for r in m.distributed.ranks)
-    dest = tmp_path / "elsewhere" / "cache"
-    kiln.restore(out, dest)
-    # One order (the shuffles of seed 1 and 2, both served here before, are the same one).
-    report = kiln.verify(spec_path, dest, order="shuffle", seed=1, routes=("plain",))
-    assert report.ok, report.reasons()
-    assert {b.key for b in report.buckets} == {
-        f"rank {r} · batch={n}" for r in (0, 1) for n in (1, 4, 16)
-    }
-    assert sum(b.compiles for b in report.buckets) == 0
+def users_torchrun(*args: object) -> tuple[list[str], dict[str, str]]:
+    """The command and environment of ``torchrun --standalone --nproc-per-node 2 ARGS``, as a
+    user launches it (this checkout's kiln first on ``PYTHONPATH``)."""
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone"]
+    command += ["--nproc-per-node", "2", *map(str, args)]
+    path = os.pathsep.join([str(ROOT / "src"), str(ROOT), os.environ.get("PYTHONPATH", "")])
+    return command, {**os.environ, "PYTHONPATH": path}
 
 
 FOLLOWER = """
@@ -558,10 +524,7 @@ def test_bake_on_a_follower_rank_returns_what_it_did_not_none(tmp_path: Path) ->
     script = tmp_path / "follower.py"
     script.write_text(FOLLOWER)
     out, report = tmp_path / "tp.kiln.tar.zst", tmp_path / "result"
-    launch = [sys.executable, "-m", "torch.distributed.run", "--standalone"]
-    command = [*launch, "--nproc-per-node", "2", str(script), str(spec), str(out), str(report)]
-    src = str(ROOT / "src")
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([src, str(ROOT)])}
+    command, env = users_torchrun(script, spec, out, report)
     proc = subprocess.run(command, env=env, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
     lead, follower = (json.loads(Path(f"{report}.{r}.json").read_text()) for r in (0, 1))
@@ -589,10 +552,7 @@ def test_sigterm_to_a_users_torchrun_stops_every_rank_and_removes_the_work_folde
     spec_path.write_text(tp_spec().replace("name: tp-mlp", f"name: {name}"))
     work = Path(tempfile.gettempdir()) / f"kiln-bake-{os.getuid()}" / name
     out = tmp_path / "x.kiln.tar.zst"
-    command = [sys.executable, "-m", "torch.distributed.run", "--standalone"]
-    command += ["--nproc-per-node", "2", "-m", "kiln", "bake", str(spec_path), "-o", str(out)]
-    src = str(ROOT / "src")
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([src, os.environ.get("PYTHONPATH", "")])}
+    command, env = users_torchrun("-m", "kiln", "bake", spec_path, "-o", out)
     proc = subprocess.Popen(command, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     try:
         deadline = time.monotonic() + 120
@@ -977,22 +937,29 @@ def test_a_distributed_spec_shards_like_any_other(write_spec: Any) -> None:
 
 @pytest.mark.slow  # two 2-rank CPU bakes (unproven), a merge, a restore and a 2-rank verify
 def test_two_rank_shards_bake_merge_restore_and_verify(tmp_path: Path) -> None:
-    """configs/tp-mlp-cpu.yaml baked as 2 shards of 2 ranks each (``--no-prove``: the verify
-    below is the proof), merged, restored at a new path: zero compiles on both ranks. With
-    ``bytecode: always``: each shard ships one bytecode tree at the root for both ranks, and
-    the merge keeps one (the union)."""
+    """configs/tp-mlp-cpu.yaml baked as 2 shards of 2 ranks each, merged, restored at a new
+    path: zero compiles on both ranks (``--no-prove``: the verify below is the proof). Shard 0
+    is kiln's own launch; shard 1 a user's (``torchrun --nproc-per-node 2 -m kiln bake``): each
+    kiln process runs its own rank's worker, rank 0 writes the artifact, rank 1 says it baked
+    and writes none. With ``bytecode: always``: each shard ships one bytecode tree at the root
+    for both ranks, and the merge keeps one (the union)."""
     import kiln
 
     text = (ROOT / "configs" / "tp-mlp-cpu.yaml").read_text()
     spec_path = tmp_path / "tp-mlp-cpu.yaml"
     spec_path.write_text(text.replace("../examples/", f"{ROOT}/examples/") + "bytecode: always\n")
-    shards = []
-    for index in (0, 1):
-        out = tmp_path / f"shard-{index}.kiln.tar.zst"
-        result = kiln.bake(spec_path, out, shard=f"{index}/2", prove=False)
-        assert result.manifest.world_size == 2 and result.manifest.shard is not None
-        assert result.manifest.bytecode is not None and result.manifest.bytecode.modules > 100
-        shards.append(out)
+    shards = [tmp_path / f"shard-{index}.kiln.tar.zst" for index in (0, 1)]
+    kiln.bake(spec_path, shards[0], shard="0/2", prove=False)
+    bake = ("-m", "kiln", "bake", spec_path, "-o", shards[1], "--shard", "1/2", "--no-prove")
+    command, env = users_torchrun(*bake)
+    proc = subprocess.run(command, env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.stderr.count("rank 1: baked; rank 0 writes the artifact") == 1
+    for shard in shards:
+        m = read_manifest(shard)
+        assert m.world_size == 2 and m.shard is not None and m.distributed is not None
+        assert [r.rank for r in m.distributed.ranks] == [0, 1]
+        assert m.bytecode is not None and m.bytecode.modules > 100
     merged = kiln.merge(shards[::-1], tmp_path / "merged.kiln.tar.zst")
     m = merged.manifest
     assert m.distributed is not None and m.shard is not None and m.shard.complete
@@ -1007,6 +974,7 @@ def test_two_rank_shards_bake_merge_restore_and_verify(tmp_path: Path) -> None:
     report = kiln.verify(spec_path, dest, order="shuffle", seed=1, routes=("plain",))
     assert report.ok, report.reasons()
     assert {b.key for b in report.buckets} == {f"rank {r} · {k}" for r in (0, 1) for k in keys}
+    assert sum(b.compiles for b in report.buckets) == 0
 
 
 def test_a_bundle_of_a_two_rank_artifact_restores_every_rank(tmp_path: Path) -> None:
