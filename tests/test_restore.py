@@ -398,3 +398,52 @@ def test_a_deeply_nested_install_record_reads_as_no_install(installed: Path) -> 
 
     (installed / STATE_NAME).write_text("[" * 100_000 + "]" * 100_000)
     assert read_installed(installed) is None
+
+
+def test_any_install_record_reads_as_an_install_or_none(installed: Path) -> None:
+    """Hypothesis: whatever the state file holds (restore's own record with fields replaced by
+    any JSON, its digest dropped), reading it gives a well-typed install or none (a restore then
+    installs again), never a crash, an odd digest or a negative stamp taken on trust."""
+    import re
+
+    from hypothesis import example, given, settings
+    from hypothesis import strategies as st
+
+    from kiln.artifact.manifest import FileEntry
+    from kiln.artifact.restore import read_installed
+    from kiln.layout import STATE_NAME
+
+    state_file = installed / STATE_NAME
+    good = json.loads(state_file.read_text())
+    original = read_installed(installed)
+    assert original is not None and original.digest == good["artifact_sha256"]
+    sha = st.sampled_from(["a" * 64, "A" * 64, "sha256:" + "a" * 64, "", "x"])
+    scalars = sha | st.none() | st.booleans() | st.integers() | st.floats() | st.text(max_size=8)
+    bundle = st.fixed_dictionaries({"sha256": sha, "variant": st.text(max_size=4)})
+    values = (
+        scalars
+        | bundle
+        | st.lists(scalars | bundle | st.just(good.get("relocated") or {}), max_size=3)
+        | st.dictionaries(st.text(max_size=8), scalars, max_size=3)
+    )
+    fields = st.sampled_from(sorted({*good, "bundle", "relocated", "stamp_ns", "other"}))
+
+    @settings(max_examples=200, deadline=None, derandomize=True, database=None)
+    @given(st.dictionaries(fields, values, max_size=4), st.booleans())
+    @example({"artifact_sha256": "x"}, False)
+    @example({"stamp_ns": -5, "bundle": {"sha256": "y", "variant": "a100"}}, False)
+    def check(changes: dict, drop_digest: bool) -> None:
+        record = {**good, **changes}
+        if drop_digest:
+            record.pop("artifact_sha256")
+        state_file.write_text(json.dumps(record))
+        got = read_installed(installed)
+        if got is None:
+            return
+        assert re.fullmatch("[0-9a-f]{64}", got.digest), got.digest
+        assert got.bundle_sha256 is None or re.fullmatch("[0-9a-f]{64}", got.bundle_sha256)
+        assert got.stamp_ns is None or (type(got.stamp_ns) is int and got.stamp_ns >= 0)
+        assert all(isinstance(e, FileEntry) for e in got.relocated)
+        assert got.manifest == original.manifest
+
+    check()

@@ -19,7 +19,6 @@ from __future__ import annotations
 import dataclasses
 import errno
 import functools
-import json
 import os
 import shutil
 import stat
@@ -34,6 +33,7 @@ from kiln.artifact.attestation import AttestationCheck, verify_attestation
 from kiln.artifact.bundle import Candidate, Choice, Selector, check_variant, extract_chosen, key_of
 from kiln.artifact.drift import Changes, changes, stamp
 from kiln.artifact.extract import HashingReader, check_stage, extract, require_space
+from kiln.artifact.install_state import BundleChoice, InstallState
 from kiln.artifact.machine import Machine
 from kiln.artifact.manifest import FileEntry, Manifest
 from kiln.artifact.oci_layout import variant_select
@@ -158,32 +158,21 @@ def read_installed(dest: Path) -> Installed | None:
     except OSError:
         return None
     try:
-        state = json.loads(_read_at(dfd, STATE_NAME, MAX_STATE_BYTES))
-        digest = state["artifact_sha256"]
-        bundle = state.get("bundle") or {}
+        state = InstallState.model_validate_json(_read_at(dfd, STATE_NAME, MAX_STATE_BYTES))
         manifest = parse_manifest(_read_at(dfd, MANIFEST_NAME, MAX_MANIFEST_BYTES))
-    except (OSError, ValueError, KeyError, TypeError, AttributeError, RecursionError, KilnError):
-        return None
+    except (OSError, ValueError, RecursionError, KilnError):
+        return None  # no state file restore wrote, or no manifest: no complete install
     finally:
         os.close(dfd)
-    if not isinstance(digest, str):
-        return None
-    sha, variant = (
-        (bundle.get("sha256"), bundle.get("variant")) if isinstance(bundle, dict) else (None, None)
-    )
-    stamp_ns = state.get("stamp_ns")
-    try:
-        relocated = tuple(FileEntry.model_validate(e) for e in state.get("relocated") or ())
-    except (ValueError, TypeError):
-        return None  # a state file restore did not write: no complete install
+    bundle = state.bundle
     return Installed(
         dest,
-        digest,
+        state.artifact_sha256,
         manifest,
-        sha if isinstance(sha, str) else None,
-        variant if isinstance(variant, str) else None,
-        stamp_ns if isinstance(stamp_ns, int) and not isinstance(stamp_ns, bool) else None,
-        relocated,
+        bundle.sha256 if bundle is not None else None,
+        bundle.variant if bundle is not None else None,
+        state.stamp_ns,
+        tuple(state.relocated),
     )
 
 
@@ -349,13 +338,14 @@ def _restore_locked(
             return _noop(dest, installed, env_file, t0, got.choice)
         # What is installed is the artifact (a bundle's variant): its digest, as restoring it
         # alone would record; the bundle is named beside it, for the no-op of a repeat restore.
-        state: dict[str, Any] = {
-            "artifact_sha256": got.digest,
-            "source": source,
-            "restored": time.time(),
-        }
-        if got.choice is not None:
-            state["bundle"] = {"sha256": got.bundle_sha256, "variant": got.choice.variant.name}
+        bundle = (
+            BundleChoice(sha256=got.bundle_sha256, variant=got.choice.variant.name)
+            if got.choice is not None
+            else None
+        )
+        state = InstallState(
+            artifact_sha256=got.digest, source=str(source), restored=time.time(), bundle=bundle
+        )
         _complete(got.tree, dest, got.manifest, state)
         swap(got.tree, dest)
     except OSError as exc:
@@ -461,7 +451,7 @@ def _unless_changed(installed: Installed | None, emit: EventSink) -> Installed |
     return None
 
 
-def _complete(tree: Path, dest: Path, manifest: Manifest, state: dict[str, Any]) -> None:
+def _complete(tree: Path, dest: Path, manifest: Manifest, state: InstallState) -> None:
     """Add restore's own files to the unpacked ``tree`` (manifest, ``kiln.env``, the state
     file, the lock links) and check it is exactly what the manifest lists, ready to swap."""
     staged = CacheLayout(tree)
@@ -469,19 +459,15 @@ def _complete(tree: Path, dest: Path, manifest: Manifest, state: dict[str, Any])
     staged.env_file.write_text(
         env_file_text(dest, manifest.name, manifest.env, manifest.rank_world)
     )
-    staged.state_file.write_text(json.dumps(state))
+    staged.state_file.write_text(state.model_dump_json())
     for link in lock_links(manifest.rank_world):
         (tree / link).parent.mkdir(parents=True, exist_ok=True)
         (tree / link).symlink_to(LOCKS_TARGET)
     check_stage(tree, dest, manifest)
     moved = relocate_groups(tree, dest, manifest.entries())
     # Stamped last: a later repeat restore hashes only the files changed after this.
-    state = {
-        **state,
-        "stamp_ns": stamp(tree, manifest),
-        "relocated": [entry.model_dump(mode="json") for entry in moved],
-    }
-    staged.state_file.write_text(json.dumps(state))
+    stamped = state.model_copy(update={"stamp_ns": stamp(tree, manifest), "relocated": moved})
+    staged.state_file.write_text(stamped.model_dump_json())
 
 
 def _noop(
