@@ -11,7 +11,7 @@ BIN := $(VENV)/bin
 # The pinned CPU build goes in first: a bare `torch` requirement would pull a multi-GB CUDA build.
 TORCH ?= torch==2.13.0
 
-.PHONY: venv lint test test-fast demo clean gpu-wheels
+.PHONY: venv lint bytecode test test-fast demo clean gpu-wheels
 
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -26,10 +26,16 @@ lint: venv
 	$(BIN)/ruff check src tests examples scripts
 	$(BIN)/ruff format --check src tests examples scripts
 
-test: lint
+# kiln's own bytecode, written once: an editable install gets none from pip, and where the
+# machine sets PYTHONDONTWRITEBYTECODE (CI's does) no process of the run writes it, so each of
+# the run's several hundred kiln processes compiled kiln.compiler's modules from source again.
+bytecode: venv
+	$(BIN)/python -m compileall -q src examples
+
+test: lint bytecode
 	$(BIN)/python -m pytest -q -n $(JOBS) --dist worksteal
 
-test-fast: lint
+test-fast: lint bytecode
 	$(BIN)/python -m pytest -q -n $(JOBS) --dist worksteal -m "not slow and not gpu"
 
 demo: venv
