@@ -56,7 +56,7 @@ from kiln.artifact.extract import (
     safe_member_name,
 )
 from kiln.artifact.machine import CAPABILITY, Machine, detect
-from kiln.artifact.manifest import MAX_TOTAL_BYTES, Manifest, first_problem
+from kiln.artifact.manifest import MAX_TOTAL_BYTES, Manifest, Sha256, first_problem
 from kiln.artifact.storage.base import copy_hashing
 from kiln.errors import (
     IncompatibleError,
@@ -136,7 +136,7 @@ class Variant(Candidate):
     """One variant in ``bundle.json``: its key, and which member holds its artifact."""
 
     path: str
-    sha256: str = Field(pattern=r"^[0-9a-f]{64}$")
+    sha256: Sha256
     size: int = Field(ge=0, le=MAX_TOTAL_BYTES)
     artifact: Name  # the variant manifest's name
     spec_sha256: str | None = Field(default=None, max_length=MAX_TEXT)

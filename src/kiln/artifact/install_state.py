@@ -11,9 +11,8 @@ from __future__ import annotations
 
 from pydantic import BaseModel, ConfigDict, Field, StrictInt
 
-from kiln.artifact.manifest import MAX_FILES, FileEntry
-
-SHA256 = r"^[0-9a-f]{64}$"
+from kiln.artifact.bundle import Name
+from kiln.artifact.manifest import MAX_FILES, FileEntry, Sha256
 
 
 class BundleChoice(BaseModel):
@@ -22,8 +21,8 @@ class BundleChoice(BaseModel):
 
     model_config = ConfigDict(extra="allow")
 
-    sha256: str = Field(pattern=SHA256)
-    variant: str = Field(min_length=1, max_length=255)
+    sha256: Sha256
+    variant: Name
 
 
 class InstallState(BaseModel):
@@ -31,7 +30,7 @@ class InstallState(BaseModel):
 
     model_config = ConfigDict(extra="allow")
 
-    artifact_sha256: str = Field(pattern=SHA256, description="the artifact's bytes unpacked")
+    artifact_sha256: Sha256 = Field(description="the artifact's bytes unpacked")
     source: str | None = Field(None, description="where it was restored from, as given")
     restored: float | None = Field(None, description="when (Unix time)")
     bundle: BundleChoice | None = None

@@ -107,6 +107,8 @@ def _checked_path(path: str) -> str:
 
 # A path inside an artifact, checked by :func:`path_problem` wherever a model names one.
 SafePath = Annotated[str, AfterValidator(_checked_path)]
+# A sha256 as kiln writes one everywhere: 64 lower-case hex digits, no "sha256:" prefix.
+Sha256 = Annotated[str, Field(pattern=r"^[0-9a-f]{64}$")]
 
 
 def folders_of(paths: list[str]) -> set[str]:
@@ -126,7 +128,7 @@ class _Model(BaseModel):
 class FileEntry(_Model):
     path: SafePath  # posix, relative to the artifact root, e.g. "inductor/fxgraph/..."
     size: int = Field(ge=0, le=MAX_TOTAL_BYTES)
-    sha256: str = Field(pattern=r"^[0-9a-f]{64}$")
+    sha256: Sha256
     kind: str = Field(max_length=64)
     # A pyc under bytecode/ (kind "bytecode") only: the library module it is the bytecode of,
     # and that source's hash as its checked-hash header holds it (Manifest._bytecode_files).
