@@ -17,7 +17,7 @@ import sys
 import threading
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
-from kiln.compiler.launch import ignore_numpy_warning
+from kiln.compiler import ignore_numpy_warning
 
 ignore_numpy_warning()  # before torch's import: its CPU wheel warns when numpy is absent
 

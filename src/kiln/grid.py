@@ -14,9 +14,12 @@ import re
 from collections.abc import Sequence
 from dataclasses import dataclass
 from enum import Enum
+from typing import TYPE_CHECKING
 
 from kiln.errors import ParameterError, UsageError
-from kiln.spec import Spec
+
+if TYPE_CHECKING:
+    from kiln.spec import Spec
 
 
 @dataclass(frozen=True)

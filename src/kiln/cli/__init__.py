@@ -18,7 +18,7 @@ from kiln._version import __version__
 from kiln.cli import artifacts, bench, build, merge, plan, serve, sign
 from kiln.cli.options import KilnCommand, KilnGroup
 from kiln.cli.output import report_error
-from kiln.compiler.launch import ignore_numpy_warning
+from kiln.compiler import ignore_numpy_warning
 from kiln.errors import ExitCode
 
 app = typer.Typer(

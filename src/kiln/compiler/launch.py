@@ -17,7 +17,6 @@ import os
 import signal
 import tempfile
 import time
-import warnings
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -36,20 +35,6 @@ from kiln.errors import UsageError
 from kiln.events import EventSink
 from kiln.serving import worker_env
 from kiln.spec import Spec
-
-# What torch's CPU wheel says at import when numpy is absent. kiln never hands torch a numpy
-# array, so it is noise on every command that imports torch.
-NUMPY_WARNING = "Failed to initialize NumPy"
-
-
-def ignore_numpy_warning() -> None:
-    """Hide torch's "Failed to initialize NumPy" UserWarning in this process, and only it.
-
-    Called before torch is imported by kiln's own processes (the CLI, the grid worker, the
-    example server): the warning is raised once, from C++, during ``import torch``. Filtered by
-    message and category, so every other warning torch or the model raises still shows.
-    """
-    warnings.filterwarnings("ignore", message=NUMPY_WARNING, category=UserWarning)
 
 
 @dataclass(frozen=True)

@@ -504,7 +504,7 @@ def _max_abs_diff(served: dict[Any, Any], eager: dict[Any, Any]) -> float:
 
 def main(argv: list[str] | None = None) -> int:
     """``python -m kiln.compiler.replay REQUEST.json OUTCOME.json``; exit codes as kiln's."""
-    from kiln.compiler.launch import ignore_numpy_warning
+    from kiln.compiler import ignore_numpy_warning
     from kiln.compiler.protocol import failure_of
 
     args = sys.argv[1:] if argv is None else argv

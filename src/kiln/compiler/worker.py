@@ -34,12 +34,11 @@ from typing import TYPE_CHECKING, Any
 
 from kiln import bytecode
 from kiln.artifact.manifest import MAX_GRAPH_BREAKS, BucketStats, CompileCounts, GraphBreak
-from kiln.compiler import frames, ranks
+from kiln.compiler import frames, ignore_numpy_warning, ranks
 from kiln.compiler.activate import prepare_inductor
 from kiln.compiler.devices import join_group, setup_device, synchronizer
 from kiln.compiler.dynamo_log import DynamoLog, merge_breaks
 from kiln.compiler.forwards import make_forward
-from kiln.compiler.launch import ignore_numpy_warning
 from kiln.compiler.measure import CLOCK, Forward, Meter, Phases
 from kiln.compiler.megacache import both, load_megacache, save_caches
 from kiln.compiler.model_import import build_model, make_inputs
