@@ -125,9 +125,10 @@ def test_storage_knows_nothing_of_the_layers_above() -> None:
         ("kiln.cli", "['kiln.compiler']"),
     ],
 )
-def test_torch_free_restore_loads_no_compiler_module(module: str, loaded: str) -> None:
-    """``import kiln.artifact.restore`` (the init container's path) runs ``kiln/__init__`` first:
-    it must not pull in the compiler side, which would import torch the moment it is used."""
+def test_torch_free_entry_points_load_no_launch_code(module: str, loaded: str) -> None:
+    """``import kiln.artifact.restore`` (the init container's path) runs ``kiln/__init__`` first,
+    and the CLI imports every command group: neither may pull in the compiler side's modules,
+    which would import torch the moment they are used."""
     code = (
         NO_TORCH + f"import {module}; "
         "print(sorted(m for m in sys.modules if m.startswith('kiln.compiler')))"

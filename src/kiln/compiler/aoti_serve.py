@@ -195,7 +195,7 @@ class AotiModel:
                 constants, missing = constants_for(runner, self._weights)
                 if missing:  # the bake checked this against the same model: a changed model
                     raise WeightsMismatchError(
-                        f"{p.path}: the model has no tensor named {missing[0]!r} "
+                        f"{shown}{p.path}: the model has no tensor named {missing[0]!r} "
                         f"({len(missing)} missing): not the architecture this was baked for"
                     )
                 hand_in(runner, constants)

@@ -88,8 +88,9 @@ def run_worker(
     running or writing into a folder that no longer exists.
 
     A distributed spec runs K workers under torchrun (:mod:`kiln.compiler.ranks`), each rank in
-    its rank folder of the layout ``request`` names; the run fails with the lowest failing
-    rank's error, and its result is rank 0's with every rank's in ``ranks``.
+    its rank folder of the layout ``request`` names; the run fails with the error of the lowest
+    rank whose failure kiln names (its spec, the machine, the folder), else of the lowest failing
+    rank, and its result is rank 0's with every rank's in ``ranks``.
     """
     heartbeat_s = heartbeat_interval()
     request = request.replace(spec=spec.canonical(), spec_base=str(spec.base_dir.absolute()))
