@@ -210,10 +210,10 @@ def location_env(layout: CacheLayout) -> dict[str, str]:
 # What a served process must not have set: each would move a cache kiln ships out of DEST. With
 # TRITON_CACHE_DIR set, Inductor keeps its Triton kernels there instead of in its own cache
 # folder's triton/<device> (torch._inductor.runtime.cache_dir_utils.triton_cache_dir), so the
-# kernels and launchers the artifact ships are never looked for, and Triton builds the launchers
-# again with gcc in every new pod. kiln.env unsets them, activate() drops them from the process's
-# environment, ``kiln check`` names one that is set; bake and verify workers never inherit them
-# (:func:`worker_env`).
+# kernels and launchers the artifact ships are never looked for: Triton compiles the kernels and
+# builds their launchers again in every new pod (measured: docs/first-process.md). kiln.env
+# unsets them, activate() drops them from the process's environment, ``kiln check`` names one
+# that is set; bake and verify workers never inherit them (:func:`worker_env`).
 UNSET_ENV = ("TRITON_CACHE_DIR",)
 
 

@@ -100,14 +100,19 @@ def changes(
     return Changes(sorted(added), sorted(changed), sorted(removed))
 
 
+def kiln_env(dest: Path, manifest: Manifest) -> str:
+    """The ``kiln.env`` restore writes for ``manifest`` installed at ``dest``; what
+    :func:`env_drift` compares the folder's with, so both come from here."""
+    return env_file_text(Path(dest).absolute(), manifest.name, manifest.env, manifest.rank_world)
+
+
 def env_drift(dest: Path, manifest: Manifest) -> bool | None:
     """Whether ``dest``'s ``kiln.env`` differs from what this kiln writes for it (True), is
     missing (False), or is as written (None). It names the absolute path DEST was restored at
     and what a served process must set and unset (:func:`kiln.serving.env_file_text`): a
     folder moved or copied elsewhere, a file edited, or one an older kiln wrote no longer
     serves as this kiln's would, and installing again writes it anew."""
-    text = env_file_text(Path(dest).absolute(), manifest.name, manifest.env, manifest.rank_world)
-    want = text.encode()
+    want = kiln_env(dest, manifest).encode()
     try:
         with open(CacheLayout(dest).env_file, "rb") as fh:
             have = fh.read(len(want) + 1)  # one byte more: a longer file differs

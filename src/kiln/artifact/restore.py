@@ -31,7 +31,7 @@ from typing import Any
 from kiln.artifact.archive import parse_manifest
 from kiln.artifact.attestation import AttestationCheck, verify_attestation
 from kiln.artifact.bundle import Candidate, Choice, Selector, check_variant, extract_chosen, key_of
-from kiln.artifact.drift import Changes, changes, stamp
+from kiln.artifact.drift import Changes, changes, kiln_env, stamp
 from kiln.artifact.extract import HashingReader, check_stage, extract, require_space
 from kiln.artifact.install_state import BundleChoice, InstallState
 from kiln.artifact.machine import Machine
@@ -51,7 +51,6 @@ from kiln.layout import (
     CacheLayout,
     lock_links,
 )
-from kiln.serving import env_file_text
 
 
 @dataclass
@@ -456,9 +455,7 @@ def _complete(tree: Path, dest: Path, manifest: Manifest, state: InstallState) -
     file, the lock links) and check it is exactly what the manifest lists, ready to swap."""
     staged = CacheLayout(tree)
     staged.manifest.write_bytes(manifest.to_bytes())
-    staged.env_file.write_text(
-        env_file_text(dest, manifest.name, manifest.env, manifest.rank_world)
-    )
+    staged.env_file.write_text(kiln_env(dest, manifest))
     staged.state_file.write_text(state.model_dump_json())
     for link in lock_links(manifest.rank_world):
         (tree / link).parent.mkdir(parents=True, exist_ok=True)
