@@ -137,5 +137,6 @@ for f in sorted(pathlib.Path(sys.argv[1]).glob("bench-*.json")):
         vs = f"{v['time_to_ready_s'] / eager:.2f}x" if eager else "-"
         print(f"{r['name']:24} {m:12} ready {v['time_to_ready_s']:7.2f}s ({min(runs):.2f}-{max(runs):.2f})"
               f" {vs:>6} start-up {v['startup_s']:6.2f}s compiles {v['compiles']}"
+              f" steady {1000 * (v.get('steady_median_s') or 0):.2f}ms"
               f" first-req/steady {v['worst_first_request_ratio'] or 0:.2f}")
 PY
