@@ -18,6 +18,8 @@ from typing import TYPE_CHECKING, Any
 
 import pytest
 
+from tests import cli_forks
+
 if TYPE_CHECKING:
     from kiln.artifact.manifest import Manifest
 
@@ -187,7 +189,9 @@ def write_spec(tmp_path: Path):
 
 
 class Cli:
-    """Runs `python -m kiln` in a subprocess: real argv, real exit codes, real stdout/stderr."""
+    """Runs ``kiln ARGS`` in a process of its own: real argv, environment, exit code, stdout and
+    stderr; forked from a server that has imported kiln already (tests/cli_forks.py says why and
+    what that changes), or started from scratch where calls overlap."""
 
     def __init__(self, cwd: Path) -> None:
         self.cwd = cwd
@@ -200,12 +204,15 @@ class Cli:
         timeout: float = 900,
     ) -> subprocess.CompletedProcess[str]:
         argv = ["kiln", *map(str, args)]
+        full_env = {**os.environ, "NO_COLOR": "1", "COLUMNS": "200", **(env or {})}
+        forked = cli_forks.run_cli(argv, self.cwd, full_env, no_torch=no_torch, timeout=timeout)
+        if forked is not None:
+            return forked
         code = (
             f"{NO_TORCH if no_torch else ''}sys.argv = {argv!r}; from kiln.cli import main; main()"
         )
         if not no_torch:
             code = "import sys; " + code
-        full_env = {**os.environ, "NO_COLOR": "1", "COLUMNS": "200", **(env or {})}
         return subprocess.run(
             [sys.executable, "-c", code],
             cwd=self.cwd,

@@ -270,3 +270,42 @@ def test_the_private_import_finder_finds_one(tmp_path: Path) -> None:
         b="from kiln.a import g\ndef h():\n    from kiln.a import _f\n",
     )
     assert _private_imports(tmp_path) == ["kiln/b.py:3: kiln.a._f"]
+
+
+def _import_time_environment_reads(root: Path) -> list[str]:
+    """Where a module reads the environment while it is imported: module and class bodies, and
+    default values, which run at import; function bodies run when called. The ``cli`` fixture
+    forks each command from a process that imported kiln before the call's environment was set
+    (tests/cli_forks.py), which is only a fresh process's equal while this list is empty."""
+    found = []
+
+    def visit(node: ast.AST, path: Path) -> None:
+        for child in ast.iter_child_nodes(node):
+            if isinstance(child, ast.FunctionDef | ast.AsyncFunctionDef | ast.Lambda):
+                for default in (*child.args.defaults, *child.args.kw_defaults):
+                    if default is not None:
+                        visit(ast.Expression(default), path)
+                for decorator in getattr(child, "decorator_list", []):
+                    visit(ast.Expression(decorator), path)
+                continue
+            if isinstance(child, ast.Attribute) and child.attr in ("environ", "getenv", "environb"):
+                found.append(f"{path.relative_to(root)}:{child.lineno}")
+            visit(child, path)
+
+    for path in sorted(root.rglob("*.py")):
+        visit(ast.parse(path.read_text()), path)
+    return found
+
+
+def test_no_module_reads_the_environment_at_import() -> None:
+    found = _import_time_environment_reads(SRC)
+    assert not found, "\n".join(found)
+
+
+def test_the_environment_read_finder_finds_them(tmp_path: Path) -> None:
+    _package(
+        tmp_path,
+        a="import os\nHOME = os.environ.get('HOME')\ndef f():\n    return os.getenv('X')\n",
+        b="import os\ndef g(x=os.getenv('Y')):\n    return x\nclass C:\n    z = os.environ\n",
+    )
+    assert _import_time_environment_reads(tmp_path) == ["kiln/a.py:2", "kiln/b.py:2", "kiln/b.py:5"]
