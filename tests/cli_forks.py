@@ -31,6 +31,7 @@ import subprocess
 import sys
 import tempfile
 import threading
+import time
 from collections.abc import Mapping
 from pathlib import Path
 
@@ -109,12 +110,19 @@ class _Server:
             cwd=tempfile.gettempdir(),
         )
 
-    def _reply(self, timeout: float | None) -> dict:
+    def _reply(self, timeout: float) -> dict:
+        """The server's next line, read a byte at a time from the pipe itself: a buffered
+        ``readline`` could take both of a quick call's lines at once and leave ``select``
+        waiting for one already read."""
         assert self.proc.stdout is not None
-        ready, _, _ = select.select([self.proc.stdout], [], [], timeout)
-        line = self.proc.stdout.readline() if ready else b""
-        if not line:
-            raise TimeoutError
+        fd, line = self.proc.stdout.fileno(), b""
+        deadline = time.monotonic() + timeout
+        while not line.endswith(b"\n"):
+            ready, _, _ = select.select([fd], [], [], max(0.0, deadline - time.monotonic()))
+            byte = os.read(fd, 1) if ready else b""
+            if not byte:
+                raise TimeoutError
+            line += byte
         return json.loads(line)
 
     def run(
