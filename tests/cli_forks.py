@@ -7,9 +7,9 @@ start-up. That start-up was most of the fast suite: ~440 CLI processes, each ~0.
 typer, rich, pydantic and kiln's models before its first line of work (2-core CI machine,
 2026-12-07; the work itself is mostly milliseconds).
 
-A small server, one per pytest process and torch setting, imports ``kiln.cli`` once (with
-torch and triton blocked where the call asks for it, as ``tests/conftest.py``'s ``NO_TORCH``
-does, so a command that reaches for torch still fails the same way) and forks a child per call.
+A small server, one per pytest process and prelude, runs the caller's prelude
+(``tests/conftest.py``'s ``NO_TORCH`` where torch must stay out, so a command that reaches for
+it still fails the same way), imports ``kiln.cli`` once and forks a child per call.
 The server is a fresh interpreter that runs nothing else: no threads, no torch, no pytest
 state in the child. kiln reads no environment variable at import (``tests/test_imports.py``
 checks it), so a child that sets the call's environment before ``main()`` behaves as a process
@@ -38,9 +38,7 @@ from pathlib import Path
 # The server: read one request per line, fork, report the child's pid, then its exit status.
 _SERVER = r"""
 import json, os, sys
-if sys.argv[1] == "1":
-    sys.modules["torch"] = None
-    sys.modules["triton"] = None
+exec(sys.argv[1])  # the caller's prelude, e.g. torch blocked
 import kiln.cli  # noqa: F401  (the point: imported once, before the fork)
 requests, replies = sys.stdin.buffer, os.fdopen(os.dup(1), "w")
 
@@ -100,11 +98,11 @@ for line in requests:
 
 
 class _Server:
-    def __init__(self, no_torch: bool) -> None:
+    def __init__(self, prelude: str) -> None:
         self.busy = threading.Lock()
         self.interpreter = _interpreter_settings(os.environ)
         self.proc = subprocess.Popen(
-            [sys.executable, "-c", _SERVER, "1" if no_torch else "0"],
+            [sys.executable, "-c", _SERVER, prelude],
             stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,
             cwd=tempfile.gettempdir(),
@@ -157,7 +155,7 @@ class _Server:
             self.proc.wait()
 
 
-_servers: dict[bool, _Server] = {}
+_servers: dict[str, _Server] = {}
 
 
 def _interpreter_settings(env: Mapping[str, str]) -> dict[str, str]:
@@ -165,14 +163,14 @@ def _interpreter_settings(env: Mapping[str, str]) -> dict[str, str]:
 
 
 def run_cli(
-    argv: list[str], cwd: Path, env: dict[str, str], *, no_torch: bool, timeout: float
+    argv: list[str], cwd: Path, env: dict[str, str], *, prelude: str, timeout: float
 ) -> subprocess.CompletedProcess[str] | None:
-    """``argv`` run by a forked child of the server for ``no_torch``; None where a fork would
+    """``argv`` run by a forked child of the server that ran ``prelude``; None where a fork would
     not be a fresh process's equal (the caller starts a plain process instead): the call sets
     the interpreter's start-up differently, or the server is busy with another thread's call."""
-    server = _servers.get(no_torch)
+    server = _servers.get(prelude)
     if server is None or server.proc.poll() is not None:
-        server = _servers[no_torch] = _Server(no_torch)
+        server = _servers[prelude] = _Server(prelude)
     if _interpreter_settings(env) != server.interpreter:
         return None
     if not server.busy.acquire(blocking=False):

@@ -205,14 +205,11 @@ class Cli:
     ) -> subprocess.CompletedProcess[str]:
         argv = ["kiln", *map(str, args)]
         full_env = {**os.environ, "NO_COLOR": "1", "COLUMNS": "200", **(env or {})}
-        forked = cli_forks.run_cli(argv, self.cwd, full_env, no_torch=no_torch, timeout=timeout)
+        prelude = NO_TORCH if no_torch else "import sys; "
+        forked = cli_forks.run_cli(argv, self.cwd, full_env, prelude=prelude, timeout=timeout)
         if forked is not None:
             return forked
-        code = (
-            f"{NO_TORCH if no_torch else ''}sys.argv = {argv!r}; from kiln.cli import main; main()"
-        )
-        if not no_torch:
-            code = "import sys; " + code
+        code = f"{prelude}sys.argv = {argv!r}; from kiln.cli import main; main()"
         return subprocess.run(
             [sys.executable, "-c", code],
             cwd=self.cwd,
