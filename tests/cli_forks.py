@@ -58,6 +58,11 @@ def child(request):
             os.dup2(opened, fd)
             os.close(opened)
         os.close(replies.fileno())
+        if request["limits"]:  # what a preexec_fn would set; this child's CPU time starts at 0
+            import resource
+            memory, cpu_s = request["limits"]
+            resource.setrlimit(resource.RLIMIT_AS, (memory, memory))
+            resource.setrlimit(resource.RLIMIT_CPU, (cpu_s, cpu_s))
         import tempfile
         tempfile.tempdir = None  # read from TMPDIR again, as a new process does
         sys.argv = request["argv"]
@@ -124,7 +129,12 @@ class _Server:
         return json.loads(line)
 
     def run(
-        self, argv: list[str], cwd: Path, env: dict[str, str], timeout: float
+        self,
+        argv: list[str],
+        cwd: Path,
+        env: dict[str, str],
+        timeout: float,
+        limits: tuple[int, int] | None,
     ) -> subprocess.CompletedProcess[str]:
         with tempfile.TemporaryDirectory(prefix="kiln-cli-") as scratch:
             out, err = Path(scratch, "stdout"), Path(scratch, "stderr")
@@ -136,6 +146,7 @@ class _Server:
                 "env": env,
                 "stdout": str(out),
                 "stderr": str(err),
+                "limits": limits,
             }
             assert self.proc.stdin is not None
             self.proc.stdin.write(json.dumps(request).encode() + b"\n")
@@ -163,11 +174,20 @@ def _interpreter_settings(env: Mapping[str, str]) -> dict[str, str]:
 
 
 def run_cli(
-    argv: list[str], cwd: Path, env: dict[str, str], *, prelude: str, timeout: float
+    argv: list[str],
+    cwd: Path,
+    env: dict[str, str],
+    *,
+    prelude: str,
+    timeout: float,
+    limits: tuple[int, int] | None = None,
 ) -> subprocess.CompletedProcess[str] | None:
     """``argv`` run by a forked child of the server that ran ``prelude``; None where a fork would
     not be a fresh process's equal (the caller starts a plain process instead): the call sets
-    the interpreter's start-up differently, or the server is busy with another thread's call."""
+    the interpreter's start-up differently, or the server is busy with another thread's call.
+    ``limits`` (bytes of address space, CPU seconds) hold the child as ``setrlimit`` in a
+    ``preexec_fn`` holds a new process; the server's own imports are in the child's address
+    space either way (no torch: ~45 MB)."""
     server = _servers.get(prelude)
     if server is None or server.proc.poll() is not None:
         server = _servers[prelude] = _Server(prelude)
@@ -176,7 +196,7 @@ def run_cli(
     if not server.busy.acquire(blocking=False):
         return None
     try:
-        return server.run(argv, cwd, env, timeout)
+        return server.run(argv, cwd, env, timeout, limits)
     finally:
         server.busy.release()
 

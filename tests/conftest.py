@@ -203,21 +203,45 @@ class Cli:
         env: dict[str, str] | None = None,
         timeout: float = 900,
     ) -> subprocess.CompletedProcess[str]:
-        argv = ["kiln", *map(str, args)]
-        full_env = {**os.environ, "NO_COLOR": "1", "COLUMNS": "200", **(env or {})}
         prelude = NO_TORCH if no_torch else "import sys; "
-        forked = cli_forks.run_cli(argv, self.cwd, full_env, prelude=prelude, timeout=timeout)
-        if forked is not None:
-            return forked
-        code = f"{prelude}sys.argv = {argv!r}; from kiln.cli import main; main()"
-        return subprocess.run(
-            [sys.executable, "-c", code],
-            cwd=self.cwd,
-            env=full_env,
-            capture_output=True,
-            text=True,
-            timeout=timeout,
-        )
+        return run_kiln(self.cwd, args, prelude=prelude, env=env, timeout=timeout)
+
+
+def run_kiln(
+    cwd: Path,
+    args: tuple[object, ...],
+    *,
+    prelude: str,
+    env: dict[str, str] | None,
+    timeout: float,
+    limits: tuple[int, int] | None = None,
+) -> subprocess.CompletedProcess[str]:
+    """``kiln ARGS`` after ``prelude``, forked from a warm server (tests/cli_forks.py), or
+    started plain where a fork cannot stand in; ``limits`` (bytes of address space, CPU
+    seconds) as ``setrlimit`` sets them."""
+    import resource
+
+    argv = ["kiln", *map(str, args)]
+    full_env = {**os.environ, "NO_COLOR": "1", "COLUMNS": "200", **(env or {})}
+    forked = cli_forks.run_cli(argv, cwd, full_env, prelude=prelude, timeout=timeout, limits=limits)
+    if forked is not None:
+        return forked
+
+    def limit() -> None:
+        if limits:
+            resource.setrlimit(resource.RLIMIT_AS, (limits[0], limits[0]))
+            resource.setrlimit(resource.RLIMIT_CPU, (limits[1], limits[1]))
+
+    code = f"{prelude}sys.argv = {argv!r}; from kiln.cli import main; main()"
+    return subprocess.run(
+        [sys.executable, "-c", code],
+        cwd=cwd,
+        env=full_env,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        preexec_fn=limit if limits else None,
+    )
 
 
 @pytest.fixture
@@ -404,20 +428,4 @@ def limited_cli(
 ) -> subprocess.CompletedProcess[str]:
     """``kiln ARGS`` without torch in a child limited to ``memory`` bytes of address space and
     ``cpu_s`` CPU seconds (and four times that in wall time)."""
-    import resource
-
-    def limit() -> None:
-        resource.setrlimit(resource.RLIMIT_AS, (memory, memory))
-        resource.setrlimit(resource.RLIMIT_CPU, (cpu_s, cpu_s))
-
-    argv = ["kiln", *map(str, args)]
-    code = f"import sys; {NO_TORCH}sys.argv = {argv!r}; from kiln.cli import main; main()"
-    return subprocess.run(
-        [sys.executable, "-c", code],
-        cwd=cwd,
-        env={**os.environ, "NO_COLOR": "1", "COLUMNS": "200", **(env or {})},
-        capture_output=True,
-        text=True,
-        timeout=4 * cpu_s,
-        preexec_fn=limit,
-    )
+    return run_kiln(cwd, args, prelude=NO_TORCH, env=env, timeout=4 * cpu_s, limits=(memory, cpu_s))

@@ -5,8 +5,8 @@ a real spec), ``kiln merge`` runs as users run it, in a child the kernel holds t
 address space and 30 CPU seconds (:func:`tests.conftest.limited_cli`), and must end in a
 documented exit code (0, 2, 3 or 5) within them: never a crash, a MemoryError or a kill. It
 writes nothing but ``-o``: every other file under the work folder, ``TMPDIR`` included, is as
-it was, and a failed merge leaves nothing at all. Each example is a process (~1 s here), so the
-default run is short; ``KILN_FUZZ_EXAMPLES=500`` searches deeper.
+it was, and a failed merge leaves nothing at all. Each example is a process (forked with kiln
+imported, ~0.1 s), so the default run is short; ``KILN_FUZZ_EXAMPLES=500`` searches deeper.
 """
 
 from __future__ import annotations
