@@ -63,8 +63,8 @@ from kiln import bytecode
 folder, pkg = Path(sys.argv[1]), Path(sys.argv[2])
 source = str(pkg / "mod.py")
 if sys.argv[3] == "bake":
-    import torch._inductor.compile_fx as probe
-    assert bytecode.write([source, probe.__file__, "relative.py"], folder) == 2
+    import torch  # use() checks the tree holds torch's __init__, which every server imports
+    assert bytecode.write([source, torch.__file__, "relative.py"], folder) == 2
     # Bytecode of other code than its source says: if Python uses it, the module says so.
     cached = folder / bytecode.prefix_path(source)
     data = ext._code_to_hash_pyc(
@@ -202,6 +202,35 @@ def test_a_bake_on_an_image_without_bytecode_ships_it_and_verify_serves_it(
     assert report["ok"] and report["compiles"] == 0
     assert report["bytecode_modules"] > len(shipped) // 2
     assert not any(empty.iterdir())  # nothing compiled and written by the served process
+
+
+@pytest.mark.slow  # every process imports torch from source, the bake's build Inductor too
+def test_an_aot_route_bake_ships_only_what_its_server_imports(tmp_path: Path, cli) -> None:
+    """The AOT route's passes import Inductor and export to build the packages; its server
+    imports neither. The bytecode shipped is the server's (a fresh process serving the built
+    packages), and verify serves from it, writing nothing."""
+    from kiln.artifact.archive import read_manifest
+    from tests.conftest import aoti_spec
+
+    empty = tmp_path / "no-pyc"
+    empty.mkdir()
+    env = {"PYTHONPYCACHEPREFIX": str(empty), "PYTHONDONTWRITEBYTECODE": "1"}
+    spec, art, dest = tmp_path / "spec.yaml", tmp_path / "aoti.kiln.tar.zst", tmp_path / "cache"
+    spec.write_text(aoti_spec(buckets="[2]"))
+    proc = cli("bake", spec, "-o", art, "-q", "--no-prove", env=env)
+    assert proc.returncode == 0, proc.stderr
+    shipped = [f.path for f in read_manifest(art).files if f.kind == "bytecode"]
+    tag = sys.implementation.cache_tag
+    assert any(p.endswith(f"/torch/__init__.{tag}.pyc") for p in shipped)
+    compilers = ("/torch/_inductor/", "/torch/_dynamo/", "/sympy/")  # `import torch`: no
+    assert not [p for p in shipped if any(c in p for c in compilers)]
+    assert cli("restore", art, "-d", dest, no_torch=True).returncode == 0
+    proc = cli("verify", spec, "--cache", dest, "--json", env=env)
+    assert proc.returncode == 0, proc.stderr
+    report = json.loads(proc.stdout)
+    assert report["ok"] and report["compiles"] == 0
+    assert report["bytecode_modules"] > len(shipped) // 2
+    assert not any(empty.iterdir())
 
 
 def test_the_spec_decides_whether_a_bake_ships_bytecode(write_spec) -> None:

@@ -54,6 +54,14 @@ def _probe_source(package: str = "torch") -> Path | None:
     return source if source.is_file() else None
 
 
+def _package_init(package: str = "torch") -> Path | None:
+    """``package``'s ``__init__.py``, found without importing it: every served process
+    imports it, whichever route (an AOT server imports no Inductor, so an AOT artifact's tree
+    holds no bytecode of the probe module)."""
+    spec = importlib.util.find_spec(package)
+    return Path(spec.origin) if spec is not None and spec.origin else None
+
+
 def uncached_reason(package: str = "torch") -> str | None:
     """Why ``package``'s Inductor is compiled from source at each start here, or None when its
     bytecode is cached (or the package is not installed)."""
@@ -220,10 +228,10 @@ def use(folder: Path) -> str | None:
             "the artifact's Python bytecode is unused: this interpreter does not check "
             "hash-based pycs against their sources (--check-hash-based-pycs never)"
         )
-    probe = _probe_source()
-    rel = prefix_path(str(probe)) if probe else None
+    init = _package_init()
+    rel = prefix_path(str(init)) if init else None
     if rel is None or not (folder / rel).is_file():
-        where = probe.parent.parent if probe else "?"
+        where = init.parent if init else "?"
         return (
             f"the artifact's Python bytecode does not cover this torch "
             f"({sys.implementation.cache_tag}, at {where}): modules compile from source"

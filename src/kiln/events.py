@@ -116,6 +116,13 @@ class Tuning(_Event):
     event: Literal["tune"] = "tune"
 
 
+class ServingImports(_Event):
+    """The AOT route's bake serves its packages once, in a fresh process, to learn which
+    modules a server imports: only their bytecode ships (kiln.compiler.bake explains why)."""
+
+    event: Literal["serving-imports"] = "serving-imports"
+
+
 class Packing(_Event):
     event: Literal["pack"] = "pack"
     total: int = Field(description="bytes of the files going into the artifact")
@@ -184,6 +191,7 @@ Event = (
     | ModeStarted
     | Capturing
     | Tuning
+    | ServingImports
     | Packing
     | Packed
     | Fetching

@@ -49,6 +49,7 @@ from kiln.events import (
     Packing,
     PassStarted,
     Proving,
+    ServingImports,
     Tuning,
     Waiting,
     WorkerStarted,
@@ -211,9 +212,11 @@ class _ProgressSink:
                 if self.plain and e.passes > 1:
                     where = f"{self.label}: " if self.label else ""
                     self.plain.note(f"{where}pass {e.index + 1}/{e.passes}")
-            case Tuning():  # the pre-pass's buckets show as its own progress
+            case Tuning() | ServingImports() as e:  # their buckets show as their own progress
                 self.tasks.pop("first", None)
                 self.tasks.pop("warm", None)
+                if self.plain and isinstance(e, ServingImports):
+                    self.plain.note("bytecode: serving the packages once for a server's imports")
             case Proving() as e:
                 self.tasks.pop("first", None)
                 self.tasks.pop("warm", None)

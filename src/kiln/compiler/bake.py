@@ -69,6 +69,7 @@ from kiln.events import (
     Packing,
     PassStarted,
     Proving,
+    ServingImports,
     Tuning,
     Waiting,
     ignore,
@@ -471,15 +472,40 @@ class _Baker:
         return manifest
 
     def _write_bytecode(self) -> Bytecode | None:
-        """The bytecode of every library module the passes imported, compiled into the work
+        """The bytecode of the library modules a server imports, compiled into the work
         folder's ``bytecode/`` tree, when the spec ships it (:func:`ships_bytecode`)."""
-        sources = sorted({s for run in self.runs for r in run.results for s in r.imported_sources})
+        sources = self._served_sources()
         if not sources:
             return None
         folder = self.layout.bytecode
         shutil.rmtree(folder, ignore_errors=True)
         count = bytecode.write(sources, folder)
         return Bytecode(python=sys.implementation.cache_tag, modules=count) if count else None
+
+    def _served_sources(self) -> list[str]:
+        """The library sources whose bytecode ships: every module the passes imported (a
+        compile-route server imports Dynamo and Inductor as they did), or for a 1-rank AOT
+        route what a fresh process serving the built packages imports. Its passes imported
+        Inductor and export to build them, a server never does: their ~1,400 modules were two
+        thirds of the bytecode (torch 2.13, 65 MB of pycs against 21 MB for ``import
+        torch``), shipped and never read. A K-rank AOT spec keeps its passes' imports."""
+        built = {s for run in self.runs for r in run.results for s in r.imported_sources}
+        packages = self.runs[0].results[0].aoti if self.runs else None
+        if not built or packages is None or self.spec.distributed:
+            return sorted(built)
+        self.emit(ServingImports())
+        request = WorkerRequest(
+            order=[b.key for b in self.buckets],
+            torch_kwargs=None,
+            calls=1,
+            steady_calls=1,
+            aoti_load=str(self.work),
+            aoti_packages=packages,
+            report_imports=True,
+            input_seed=input_stream(len(self.runs)),
+        )
+        run = run_worker(self.spec, request, self.env | SERVING_ENV, on_event=self.emit)
+        return sorted(run.results[0].imported_sources)
 
     def prove(self, manifest: Manifest, *, strict: bool) -> Manifest:
         """Serve the packed artifact from a fresh process, restored at another path, in a new

@@ -20,6 +20,7 @@ from kiln.layout import CacheLayout
 from kiln.spec import Spec
 
 if TYPE_CHECKING:
+    from kiln.artifact.manifest import Aoti
     from kiln.compiler.activate import Activation
     from kiln.compiler.precompile import PrecompiledForward
 
@@ -100,7 +101,8 @@ def _aoti_forward(
     call_kwargs = dict(spec.model.call_kwargs)
     index = request.device_index if spec.model.device == "cuda" else 0
     if request.aoti_load:
-        return _aoti_served(Path(request.aoti_load), model, call_kwargs, sync, index, launched)
+        folder, packages = Path(request.aoti_load), request.aoti_packages
+        return _aoti_served(folder, packages, model, call_kwargs, sync, index, launched)
     from kiln.compiler import aoti_serve
     from kiln.compiler.aoti_bake import AotiBuilder
 
@@ -129,6 +131,7 @@ def _aoti_forward(
 
 def _aoti_served(
     folder: Path,
+    packages: Aoti | None,
     model: Any,
     call_kwargs: dict[str, Any],
     sync: Callable[[], None],
@@ -136,13 +139,19 @@ def _aoti_served(
     launched: Rank | None,
 ) -> Forward:
     """The restored packages in ``folder`` (a rank's own, for a distributed artifact), loaded
-    and timed as a server on the route loads them."""
+    and timed as a server on the route loads them; ``packages`` where the folder has no
+    manifest yet (a 1-rank bake's work folder)."""
     from kiln.artifact.archive import read_manifest
     from kiln.compiler import aoti_serve
 
-    manifest = read_manifest(folder)
-    rank = launched.rank if launched is not None and manifest.distributed is not None else None
-    aoti = aoti_serve.served_packages(manifest, rank)
+    rank = None
+    if packages is not None:
+        aoti = packages
+    else:
+        manifest = read_manifest(folder)
+        if launched is not None and manifest.distributed is not None:
+            rank = launched.rank
+        aoti = aoti_serve.served_packages(manifest, rank)
     t0 = time.time()
     try:
         # A miss is counted as one (verify fails on it) rather than raised mid-pass.

@@ -77,6 +77,11 @@ class WorkerRequest(_Message):
     aoti_load: str | None = Field(
         None, description="serve the AOTInductor packages of the artifact restored here"
     )
+    aoti_packages: Aoti | None = Field(
+        None,
+        description="what aoti_load's folder holds when it has no manifest yet: a bake's work "
+        "folder, served once to list a server's imports (kiln.compiler.bake)",
+    )
     fingerprint: bool = Field(False, description="record this process's environment fingerprint")
     report_imports: bool = Field(False, description="list the library sources imported (bake)")
     bytecode: str | None = Field(
@@ -113,6 +118,8 @@ class WorkerRequest(_Message):
             raise ValueError("an AOTInductor build compiles, and only that")
         if self.aoti_load and (self.torch_kwargs is not None or aot or self.frames):
             raise ValueError("serving AOTInductor packages compiles nothing (torch_kwargs None)")
+        if self.aoti_packages and not self.aoti_load:
+            raise ValueError("aoti_packages describes aoti_load's folder")
         return self
 
     def replace(self, **changes: Any) -> WorkerRequest:
