@@ -9,8 +9,8 @@ way: ``import torch, torch._inductor.compile_fx`` takes 10.5–11.4 s from sourc
 3.4–5.0 s with bytecode; on the 2-core CPU, 12.4 s against 3.7 s (docs/benchmarks.md).
 
 So a bake on such an image (``bytecode: auto``, the default, or ``always``) ships the bytecode
-of every library module its passes imported under ``bytecode/``, laid out as a
-``sys.pycache_prefix`` tree. A served process (``kiln.activate()``, verify, bench, the bake's
+of every library module its passes imported (the AOT route: its server imported) under
+``bytecode/``, laid out as a ``sys.pycache_prefix`` tree. A served process (``kiln.activate()``, verify, bench, the bake's
 proof) looks there when, and only when, torch's bytecode is missing where it would look
 otherwise (:func:`use`): a prefix replaces ``__pycache__`` for every import, so on an image that
 has its bytecode it would only cost. The files are checked-hash pycs: Python compares each
