@@ -8,18 +8,17 @@ source first. Measured on the H200 image kiln's GPU figures come from, which shi
 way: ``import torch, torch._inductor.compile_fx`` takes 10.5–11.4 s from source against
 3.4–5.0 s with bytecode; on the 2-core CPU, 12.4 s against 3.7 s (docs/benchmarks.md).
 
-So a bake on such an image (``bytecode: auto``, the default, or ``always``) ships the bytecode
-of every library module its passes imported (the AOT route: its server imported) under
-``bytecode/``, laid out as a ``sys.pycache_prefix`` tree. A served process (``kiln.activate()``, verify, bench, the bake's
-proof) looks there when, and only when, torch's bytecode is missing where it would look
-otherwise (:func:`use`): a prefix replaces ``__pycache__`` for every import, so on an image that
-has its bytecode it would only cost. The files are checked-hash pycs: Python compares each
-with its source's hash before using it, so a changed source (another torch build, a patched
-file) is compiled from source as before, never served stale. Only library modules (under
-``lib/pythonX.Y/``: :func:`library_problem`), each listed in the manifest with its source path
-and hash; restore refuses anything else (kiln.artifact.manifest, kiln.artifact.extract). They
-mirror absolute source paths, so they serve an image with the bake's layout (the same base
-image); elsewhere they are unused.
+So a bake on such an image (``bytecode: auto``, the default, or ``always``) ships the bytecode of
+every library module its passes imported (the AOT route: its server imported) under ``bytecode/``,
+laid out as a ``sys.pycache_prefix`` tree. A served process (``kiln.activate()``, verify, bench, the
+bake's proof) looks there when, and only when, torch's bytecode is missing where it would look
+otherwise (:func:`use`): a prefix replaces ``__pycache__`` for every import, so on an image that has
+its bytecode it would only cost. The files are checked-hash pycs: Python compares each with its
+source's hash before using it, so a changed source (another torch build, a patched file) is compiled
+from source as before, never served stale. Only library modules (under ``lib/pythonX.Y/``:
+:func:`library_problem`), each listed in the manifest with its source path and hash; restore refuses
+anything else (kiln.artifact.manifest, kiln.artifact.extract). They mirror absolute source paths, so
+they serve an image with the bake's layout (the same base image); elsewhere they are unused.
 
 Torch-free: restore and inspect run without torch, and this looks for files without importing it.
 """
