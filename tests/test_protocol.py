@@ -16,7 +16,13 @@ from pydantic import ValidationError
 from rich.console import Console
 
 import kiln
-from kiln.artifact.manifest import MAX_TUNED, NEW_FILES_SAMPLE, BucketStats, CompileCounts
+from kiln.artifact.manifest import (
+    MAX_TUNED,
+    NEW_FILES_SAMPLE,
+    Aoti,
+    BucketStats,
+    CompileCounts,
+)
 from kiln.cli.output import Output
 from kiln.compiler.bench import ALL_MODES, EXTRA_MODES, MODES
 from kiln.compiler.counters import CompileCounters, compile_counts
@@ -67,6 +73,12 @@ def test_worker_request_is_typed_and_always_carries_the_compile_arguments() -> N
         eager.replace(calls=0)  # replace() validates; model_copy(update=...) would not
     compiled = eager.replace(torch_kwargs={"backend": "inductor"}, precompile_save="/x/p.bin")
     assert WorkerRequest.model_validate_json(compiled.model_dump_json()) == compiled
+    # The packages a bake's serving-imports pass serves describe its folder, and need one.
+    packages = Aoti(device="cpu", weights="external", on_miss="eager", inputs=[], programs=[])
+    with pytest.raises(ValidationError, match="aoti_packages describes aoti_load's folder"):
+        eager.replace(aoti_packages=packages)
+    served = eager.replace(aoti_load="/work", aoti_packages=packages)
+    assert WorkerRequest.model_validate_json(served.model_dump_json()) == served
 
 
 def test_the_spec_crosses_the_process_boundary_by_value(tmp_path: Path, write_spec) -> None:

@@ -319,7 +319,7 @@ class Spec(_Strict):
     bytecode: Literal["auto", "always", "never"] = Field(
         "auto",
         description=(
-            "ship the Python bytecode of the modules the bake imported (kiln.bytecode): auto "
+            "ship the Python bytecode of the modules a server imports (kiln.bytecode): auto "
             "when torch's is not cached in the bake's image, which the serving image then "
             "likely lacks too; a served process uses it only when it has none of its own"
         ),

@@ -231,7 +231,7 @@ class Aoti(_Model):
 
 
 class Bytecode(_Model):
-    """The Python bytecode of the modules the bake imported, under ``bytecode/`` as a
+    """The Python bytecode of the modules a server imports, under ``bytecode/`` as a
     ``sys.pycache_prefix`` tree (kiln.bytecode): shipped when the bake's image had none cached,
     served when the serving process finds none either."""
 

@@ -593,7 +593,7 @@ def _created(inputs: list[_Input]) -> str:
 
 def _bytecode(inputs: list[_Input], entries: list[FileEntry]) -> dict[str, Any] | None:
     """The union of the shards' Python bytecode (kiln.bytecode), which every shard ships for
-    the modules its own passes imported (one copy per source: :func:`_files`)."""
+    the modules its server imports (one copy per source: :func:`_files`)."""
     shipped = [i.manifest.bytecode for i in inputs if i.manifest.bytecode is not None]
     if not shipped:
         return None

@@ -146,6 +146,7 @@ def _aoti_served(
 
     rank = None
     if packages is not None:
+        assert launched is None, "a K-rank bake ships its passes' imports (kiln.compiler.bake)"
         aoti = packages
     else:
         manifest = read_manifest(folder)

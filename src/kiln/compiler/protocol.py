@@ -118,7 +118,7 @@ class WorkerRequest(_Message):
             raise ValueError("an AOTInductor build compiles, and only that")
         if self.aoti_load and (self.torch_kwargs is not None or aot or self.frames):
             raise ValueError("serving AOTInductor packages compiles nothing (torch_kwargs None)")
-        if self.aoti_packages and not self.aoti_load:
+        if self.aoti_packages is not None and not self.aoti_load:
             raise ValueError("aoti_packages describes aoti_load's folder")
         return self
 
