@@ -84,7 +84,7 @@ def test_two_ranks_serve_their_packages_with_collectives(tmp_path: Path, cli) ->
     """Each rank exports its shard (the all_reduce becomes a functional collective) and ships
     its packages under ranks/R/aoti; verify serves both ranks through kiln.activate()."""
     spec = tmp_path / "spec.yaml"
-    spec.write_text(tp_aoti_spec())
+    spec.write_text(tp_aoti_spec() + "bytecode: always\n")
     # No proof: the verify below serves both ranks as the proof would (one torchrun fewer).
     result = kiln.bake(spec, tmp_path / "tp.kiln.tar.zst", prove=False)
     assert result is not None
@@ -92,8 +92,13 @@ def test_two_ranks_serve_their_packages_with_collectives(tmp_path: Path, cli) ->
     assert m.distributed is not None and m.aoti is not None
     ranks = [r.aoti for r in m.distributed.ranks]
     assert all(a is not None and len(a.programs) == 2 for a in ranks)
-    assert {f.kind for f in m.files} == {"aoti"}
-    assert all(f.path.startswith(("ranks/0/aoti/", "ranks/1/aoti/")) for f in m.files)
+    assert {f.kind for f in m.files} == {"aoti", "bytecode"}
+    packages = [f.path for f in m.files if f.kind == "aoti"]
+    assert all(p.startswith(("ranks/0/aoti/", "ranks/1/aoti/")) for p in packages)
+    # The bytecode the ranks' servers import (torch.distributed's included), not the build's.
+    shipped = [f.path for f in m.files if f.kind == "bytecode"]
+    assert any("/torch/distributed/distributed_c10d." in p for p in shipped)
+    assert not [p for p in shipped if "/torch/_inductor/" in p or "/torch/_dynamo/" in p]
     kiln.restore(result.artifact, tmp_path / "restored")
     run = cli("verify", spec, "--cache", tmp_path / "restored", "--json")
     assert run.returncode == 0, run.stderr[-3000:]

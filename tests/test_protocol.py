@@ -76,8 +76,8 @@ def test_worker_request_is_typed_and_always_carries_the_compile_arguments() -> N
     # The packages a bake's serving-imports pass serves describe its folder, and need one.
     packages = Aoti(device="cpu", weights="external", on_miss="eager", inputs=[], programs=[])
     with pytest.raises(ValidationError, match="aoti_packages describes aoti_load's folder"):
-        eager.replace(aoti_packages=packages)
-    served = eager.replace(aoti_load="/work", aoti_packages=packages)
+        eager.replace(aoti_packages=[packages])
+    served = eager.replace(aoti_load="/work", aoti_packages=[packages])
     assert WorkerRequest.model_validate_json(served.model_dump_json()) == served
 
 

@@ -484,17 +484,18 @@ class _Baker:
 
     def _served_sources(self) -> list[str]:
         """The library sources whose bytecode ships: every module the passes imported (a
-        compile-route server imports Dynamo and Inductor as they did), or for a 1-rank AOT
-        route what a fresh process serving the built packages imports. Its passes imported
+        compile-route server imports Dynamo and Inductor as they did), or for the AOT route
+        what a fresh process serving the built packages imports. Its passes imported
         Inductor, Dynamo and sympy to build them, a server never does: ~1,600 modules, two
         thirds of the bytecode (63 MB of pycs against 22 MB, H100 and CPU alike), shipped
-        and never read. The pass serves as the proof does, ``kiln.activate()``'s check
-        included (``fingerprint``: the modules it imports), and like a later pass it may
-        add the CUDA driver's JIT entries to the work folder, which ship. A K-rank AOT spec
-        keeps its passes' imports (each rank serves its own packages)."""
+        and never read. The pass serves as the proof does, each rank its own packages,
+        ``kiln.activate()``'s check included (``fingerprint``: the modules it imports), and
+        like a later pass it may add the CUDA driver's JIT entries to the work folder, which
+        ship."""
         built = {s for run in self.runs for r in run.results for s in r.imported_sources}
-        packages = self.runs[0].results[0].aoti if self.runs else None
-        if not built or packages is None or self.spec.distributed:
+        results = self.runs[0].results if self.runs else ()
+        packages = [r.aoti for r in results if r.aoti is not None]  # each rank's, in order
+        if not built or not packages or len(packages) != len(results):
             return sorted(built)
         self.emit(ServingImports())
         request = WorkerRequest(
@@ -509,7 +510,7 @@ class _Baker:
             input_seed=input_stream(len(self.runs)),
         )
         run = run_worker(self.spec, request, self.env | SERVING_ENV, on_event=self.emit)
-        return sorted(run.results[0].imported_sources)
+        return sorted({s for r in run.results for s in r.imported_sources})
 
     def prove(self, manifest: Manifest, *, strict: bool) -> Manifest:
         """Serve the packed artifact from a fresh process, restored at another path, in a new

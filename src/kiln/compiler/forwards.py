@@ -131,7 +131,7 @@ def _aoti_forward(
 
 def _aoti_served(
     folder: Path,
-    packages: Aoti | None,
+    packages: list[Aoti] | None,
     model: Any,
     call_kwargs: dict[str, Any],
     sync: Callable[[], None],
@@ -139,15 +139,15 @@ def _aoti_served(
     launched: Rank | None,
 ) -> Forward:
     """The restored packages in ``folder`` (a rank's own, for a distributed artifact), loaded
-    and timed as a server on the route loads them; ``packages`` where the folder has no
-    manifest yet (a 1-rank bake's work folder)."""
+    and timed as a server on the route loads them; ``packages`` (each rank's) where the folder
+    has no manifest yet (a bake's work folder)."""
     from kiln.artifact.archive import read_manifest
     from kiln.compiler import aoti_serve
 
     rank = None
-    if packages is not None:
-        assert launched is None, "a K-rank bake ships its passes' imports (kiln.compiler.bake)"
-        aoti = packages
+    if packages is not None:  # a launched rank is a distributed spec's: its own folder
+        rank = launched.rank if launched is not None else None
+        aoti = packages[rank or 0]
     else:
         manifest = read_manifest(folder)
         if launched is not None and manifest.distributed is not None:

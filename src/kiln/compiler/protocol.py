@@ -77,10 +77,10 @@ class WorkerRequest(_Message):
     aoti_load: str | None = Field(
         None, description="serve the AOTInductor packages of the artifact restored here"
     )
-    aoti_packages: Aoti | None = Field(
+    aoti_packages: list[Aoti] | None = Field(
         None,
-        description="what aoti_load's folder holds when it has no manifest yet: a bake's work "
-        "folder, served once to list a server's imports (kiln.compiler.bake)",
+        description="what aoti_load's folder holds, by rank, when it has no manifest yet: a "
+        "bake's work folder, served once to list a server's imports (kiln.compiler.bake)",
     )
     fingerprint: bool = Field(False, description="record this process's environment fingerprint")
     report_imports: bool = Field(False, description="list the library sources imported (bake)")
