@@ -170,31 +170,42 @@ def test_prefix_paths_mirror_absolute_normalized_sources_only() -> None:
         assert prefix_path(bad) is None, bad
 
 
-@pytest.mark.slow
-def test_a_bake_on_an_image_without_bytecode_ships_it_and_verify_serves_it(
-    tmp_path: Path, cli
+@pytest.mark.slow  # every process imports torch from source
+@pytest.mark.parametrize(
+    ("route", "served", "unused"),
+    [
+        ("compile", "torch/_inductor/compile_fx", ()),
+        # The AOT route's passes import Inductor to build the packages; its server does not.
+        ("aoti", "torch/__init__", ("/torch/_inductor/", "/torch/_dynamo/", "/sympy/")),
+    ],
+)
+def test_a_bake_on_an_image_without_bytecode_ships_what_its_server_imports(
+    tmp_path: Path, cli, route: str, served: str, unused: tuple[str, ...]
 ) -> None:
     """The whole route on CPU, with the H200 image's condition emulated for real: no bytecode
-    where this interpreter looks, none written. The bake ships it; the served process uses it."""
+    where this interpreter looks, none written. The bake ships the bytecode of the modules a
+    server imports (the AOT route's: a fresh process serving the built packages); the served
+    process uses it and writes nothing."""
     from kiln.artifact.archive import read_manifest
-    from tests.conftest import mlp_spec
+    from tests.conftest import aoti_spec, mlp_spec
 
     empty = tmp_path / "no-pyc"
     empty.mkdir()
     env = {"PYTHONPYCACHEPREFIX": str(empty), "PYTHONDONTWRITEBYTECODE": "1"}
-    spec, art, dest = tmp_path / "spec.yaml", tmp_path / "mlp.kiln.tar.zst", tmp_path / "cache"
+    spec, art, dest = tmp_path / "spec.yaml", tmp_path / "a.kiln.tar.zst", tmp_path / "cache"
     # One bucket, unproven: the bytecode and verify serving it are the subject here, and every
     # process of this bake imports torch from source.
-    spec.write_text(mlp_spec(buckets="batch: [2]"))
+    spec.write_text(aoti_spec(buckets="[2]") if route == "aoti" else mlp_spec(buckets="batch: [2]"))
     proc = cli("bake", spec, "-o", art, "-q", "--no-prove", env=env)
     assert proc.returncode == 0, proc.stderr
     manifest = read_manifest(art)
-    shipped = [f for f in manifest.files if f.kind == "bytecode"]
+    shipped = [f.path for f in manifest.files if f.kind == "bytecode"]
     assert manifest.bytecode is not None and manifest.bytecode.modules == len(shipped)
     assert manifest.bytecode.python == sys.implementation.cache_tag
-    probe = f"/torch/_inductor/compile_fx.{sys.implementation.cache_tag}.pyc"
-    assert any(f.path.startswith("bytecode/") and f.path.endswith(probe) for f in shipped)
-    assert not any("/examples/" in f.path for f in shipped)  # the user's code is not shipped
+    probe = f"/{served}.{sys.implementation.cache_tag}.pyc"
+    assert any(p.startswith("bytecode/") and p.endswith(probe) for p in shipped)
+    assert not [p for p in shipped if any(u in p for u in unused)]
+    assert not any("/examples/" in p for p in shipped)  # the user's code is not shipped
     assert cli("restore", art, "-d", dest, no_torch=True).returncode == 0
     proc = cli("verify", spec, "--cache", dest, "--json", env=env)
     assert proc.returncode == 0, proc.stderr
@@ -202,35 +213,6 @@ def test_a_bake_on_an_image_without_bytecode_ships_it_and_verify_serves_it(
     assert report["ok"] and report["compiles"] == 0
     assert report["bytecode_modules"] > len(shipped) // 2
     assert not any(empty.iterdir())  # nothing compiled and written by the served process
-
-
-@pytest.mark.slow  # every process imports torch from source, the bake's build Inductor too
-def test_an_aot_route_bake_ships_only_what_its_server_imports(tmp_path: Path, cli) -> None:
-    """The AOT route's passes import Inductor and export to build the packages; its server
-    imports neither. The bytecode shipped is the server's (a fresh process serving the built
-    packages), and verify serves from it, writing nothing."""
-    from kiln.artifact.archive import read_manifest
-    from tests.conftest import aoti_spec
-
-    empty = tmp_path / "no-pyc"
-    empty.mkdir()
-    env = {"PYTHONPYCACHEPREFIX": str(empty), "PYTHONDONTWRITEBYTECODE": "1"}
-    spec, art, dest = tmp_path / "spec.yaml", tmp_path / "aoti.kiln.tar.zst", tmp_path / "cache"
-    spec.write_text(aoti_spec(buckets="[2]"))
-    proc = cli("bake", spec, "-o", art, "-q", "--no-prove", env=env)
-    assert proc.returncode == 0, proc.stderr
-    shipped = [f.path for f in read_manifest(art).files if f.kind == "bytecode"]
-    tag = sys.implementation.cache_tag
-    assert any(p.endswith(f"/torch/__init__.{tag}.pyc") for p in shipped)
-    compilers = ("/torch/_inductor/", "/torch/_dynamo/", "/sympy/")  # `import torch`: no
-    assert not [p for p in shipped if any(c in p for c in compilers)]
-    assert cli("restore", art, "-d", dest, no_torch=True).returncode == 0
-    proc = cli("verify", spec, "--cache", dest, "--json", env=env)
-    assert proc.returncode == 0, proc.stderr
-    report = json.loads(proc.stdout)
-    assert report["ok"] and report["compiles"] == 0
-    assert report["bytecode_modules"] > len(shipped) // 2
-    assert not any(empty.iterdir())
 
 
 def test_the_spec_decides_whether_a_bake_ships_bytecode(write_spec) -> None:
