@@ -44,21 +44,19 @@ _CHILD_ENV = ("PYTHONPYCACHEPREFIX", "PYTHONDONTWRITEBYTECODE")
 _REPLACED: dict[str, tuple[str | None, bool, dict[str, str | None]]] = {}
 
 
-def _probe_source(package: str = "torch") -> Path | None:
-    """``package``'s copy of the probe module, found without importing the package."""
-    spec = importlib.util.find_spec(package)
-    if spec is None or spec.origin is None:
-        return None
-    source = Path(spec.origin).parent.joinpath(*_PROBE)
-    return source if source.is_file() else None
-
-
 def _package_init(package: str = "torch") -> Path | None:
     """``package``'s ``__init__.py``, found without importing it: every served process
     imports it, whichever route (an AOT server imports no Inductor, so an AOT artifact's tree
     holds no bytecode of the probe module)."""
     spec = importlib.util.find_spec(package)
     return Path(spec.origin) if spec is not None and spec.origin else None
+
+
+def _probe_source(package: str = "torch") -> Path | None:
+    """``package``'s copy of the probe module, found without importing the package."""
+    init = _package_init(package)
+    source = init.parent.joinpath(*_PROBE) if init else None
+    return source if source and source.is_file() else None
 
 
 def uncached_reason(package: str = "torch") -> str | None:
