@@ -6,7 +6,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from kiln.artifact.manifest import BucketStats, PassStats
-from kiln.compiler.bake import _missed, _pass_count, _unsettled
+from kiln.compiler.bake import _missed, _pass_count, _serving_missed, _unsettled
 from kiln.compiler.launch import WorkerRun
 from kiln.compiler.protocol import WorkerResult
 from kiln.compiler.verify import VerifyReport
@@ -75,3 +75,25 @@ def test_a_proof_missing_the_same_in_another_order_is_stuck() -> None:
     assert _missed(first) != _missed(proof([5, 3, 2], {2: 1, 3: 2}))  # more work: moved
     assert _missed(first) != _missed(proof([3, 2, 5], {2: 1}))  # a bucket filled: moved
     assert _missed(first) != _missed(proof([2, 3, 5], {2: 1, 3: 1}, ["added: inductor/x"]))
+
+
+def test_the_aot_serving_pass_names_what_a_rank_missed() -> None:
+    """The AOT route's serving-imports pass serves the built packages in a fresh process: what
+    it missed there is a warning even when no proof runs (``--no-prove``), per rank."""
+
+    def rank(misses: int) -> WorkerResult:
+        bucket = BucketStats(
+            key="batch=2", sizes={"batch": 2}, first_call_s=1.0, steady_s=0.1,
+            precompile_misses=misses,
+        )  # fmt: skip
+        return WorkerResult.model_construct(buckets=[bucket])
+
+    def run(*ranks: WorkerResult) -> WorkerRun:
+        return WorkerRun(result=ranks[0], spawned=0.0, ended=0.0, log="", ranks=ranks)
+
+    assert _serving_missed(run(rank(0))) == ""
+    assert _serving_missed(run(rank(0), rank(0))) == ""
+    warning = _serving_missed(run(rank(0), rank(1)))
+    assert "in 1 bucket(s): rank 1: batch=2: 1 compile(s): 1 precompiled miss" in warning
+    assert warning.endswith("`kiln verify` will fail")
+    assert "rank" not in _serving_missed(run(rank(2)))  # one rank: no rank named

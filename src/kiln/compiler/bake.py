@@ -346,6 +346,7 @@ class _Baker:
     # folder (the proof serves a copy elsewhere), so a proven bake hashes its cache once.
     _captured: tuple[int, tuple[list[FileEntry], Stored | None]] | None = None
     _bytecode: Bytecode | None = None
+    _serving_missed: str = ""  # what the AOT route's serving-imports pass had to compile
 
     def __post_init__(self) -> None:
         # The 1-rank layout: kiln.compiler.ranks moves each of its paths into a rank's folder.
@@ -451,6 +452,8 @@ class _Baker:
             self._captured = (len(self.runs), _capture(self.spec, self.work))
         files, stored = self._captured[1]
         warnings = _warnings(self.spec, self.runs, self.pass_stats, proof, proof_warning)
+        if proof is None and self._serving_missed:  # a proof that ran judged the same packages
+            warnings.append(self._serving_missed)
         runs, stats = self.runs, self.pass_stats
         # What a server must pass: the arguments the later passes (and the proof) compiled with,
         # derived once, on the request, not again from the spec.
@@ -510,6 +513,7 @@ class _Baker:
             input_seed=input_stream(len(self.runs)),
         )
         run = run_worker(self.spec, request, self.env | SERVING_ENV, on_event=self.emit)
+        self._serving_missed = _serving_missed(run)
         return sorted({s for r in run.results for s in r.imported_sources})
 
     def prove(self, manifest: Manifest, *, strict: bool) -> Manifest:
@@ -773,6 +777,28 @@ def _unsettled(spec: Spec, runs: list[WorkerRun], pass_stats: list[PassStats]) -
         "model reads per-process state (a global, a random value, a path), a Dynamo restart "
         "that torch does not cache, or a grad-mode/dtype mismatch"
     ]
+
+
+def _serving_missed(run: WorkerRun) -> str:
+    """The serving-imports pass served the built packages in a fresh process, as a pod does:
+    what it missed or compiled there (any rank), said even when no proof runs (``--no-prove``),
+    since that pod would do the same."""
+    from kiln.compiler.verify import explain
+
+    missed = [
+        f"{f'rank {rank}: ' if len(run.results) > 1 else ''}{explain(b)}"
+        for rank, result in enumerate(run.results)
+        for b in result.buckets
+        if b.compiles
+    ]
+    if not missed:
+        return ""
+    more = f" and {len(missed) - 3} more" if len(missed) > 3 else ""
+    return (
+        f"a fresh process serving the built AOTInductor packages (the bake's serving-imports "
+        f"pass) missed or compiled in {len(missed)} bucket(s): {'; '.join(missed[:3])}{more}. "
+        "Serving will do the same; `kiln verify` will fail"
+    )
 
 
 def _missed(report: VerifyReport) -> list[tuple[str, tuple[int, ...]]]:
