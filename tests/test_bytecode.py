@@ -206,6 +206,7 @@ def test_a_bake_on_an_image_without_bytecode_ships_what_its_server_imports(
     assert any(p.startswith("bytecode/") and p.endswith(probe) for p in shipped)
     assert not [p for p in shipped if any(u in p for u in unused)]
     assert not any("/examples/" in p for p in shipped)  # the user's code is not shipped
+    assert manifest.warnings == []  # aoti: its serving-imports pass served every bucket
     assert cli("restore", art, "-d", dest, no_torch=True).returncode == 0
     proc = cli("verify", spec, "--cache", dest, "--json", env=env)
     assert proc.returncode == 0, proc.stderr
