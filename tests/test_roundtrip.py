@@ -149,6 +149,23 @@ def test_explain_tells_a_key_miss_from_kernel_rebuilds() -> None:
         "batch=1: 1 compile(s): 1 kernel's configs benchmarked (every graph hit; the process "
         "built, tuned or wrote: benchmarked triton_red_fused_mean_6 (2 configs))"
     )
+    # The CUDA driver JIT-compiling into the served folder's driver cache (an H100's verify of
+    # an AOT artifact, 2026-12-07): named as the driver's work, not by its entries' hashes.
+    jitted = BucketStats(
+        **base,
+        steady_s=0.001,
+        written=3,
+        new_files=[
+            "DIR/cuda-cache/4/4/4aa7b38cbac7a7",
+            "DIR/cuda-cache/f/c/58a3c2d1163aec",
+            "DIR/cuda-cache/index",
+        ],
+    )
+    assert explain(jitted) == (
+        "batch=1: 3 compile(s): 3 files written (every graph hit; the process built, tuned or "
+        "wrote: the CUDA driver JIT-compiled 2 kernel(s) into cuda-cache/ that the shipped "
+        "driver cache lacks)"
+    )
     missed = BucketStats(
         **base, steady_s=0.001, fx_misses=1, recompile_reasons=retuned.recompile_reasons
     )

@@ -32,11 +32,12 @@ from kiln.compiler.check import CheckReport, compare_manifest
 from kiln.compiler.dynamo_log import RESUME_FRAME
 from kiln.compiler.launch import WorkerRun, run_worker
 from kiln.compiler.protocol import WorkerRequest, input_stream
+from kiln.compiler.writes import driver_jit
 from kiln.errors import IncompatibleError, NotFoundError, PackageLoadError, UsageError
 from kiln.events import EventSink
 from kiln.files import atomic_write
 from kiln.grid import expand, off_grid, ordered
-from kiln.layout import INDUCTOR_DIR, CacheLayout
+from kiln.layout import CUDA_CACHE_DIR, INDUCTOR_DIR, CacheLayout
 from kiln.serving import cache_env, served_torch_kwargs
 from kiln.spec import Spec, differing_keys, load_spec
 
@@ -153,8 +154,16 @@ def explain(
         if why and not factors:
             hint += f"; Dynamo traced it because {why}"
     else:
-        names = sorted({PurePosixPath(n).name for n in b.new_files})[:3]
+        jit = driver_jit(b.new_files)
+        others = [n for n in b.new_files if f"/{CUDA_CACHE_DIR}/" not in n]
+        names = sorted({PurePosixPath(n).name for n in others})[:3]
         what_ran = [", ".join(names)] if names else []
+        if jit:
+            what_ran.insert(
+                0,
+                f"the CUDA driver JIT-compiled {jit} kernel(s) into {CUDA_CACHE_DIR}/ that the "
+                "shipped driver cache lacks",
+            )
         if b.tuned_kernels:  # which kernel to look at, not just how many
             what_ran.append("benchmarked " + ", ".join(b.tuned_kernels[:3]))
         hint = "every graph hit; the process built, tuned or wrote" + (

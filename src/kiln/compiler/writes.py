@@ -19,6 +19,7 @@ from dataclasses import dataclass
 from pathlib import Path, PurePosixPath
 
 from kiln.artifact.archive import sha256_file
+from kiln.layout import CUDA_CACHE_DIR
 
 Stat = tuple[int, int, int]  # size, mtime_ns, inode
 
@@ -28,6 +29,19 @@ KERNEL = "kernel"  # a compiled kernel binary (C++ .so, Triton .cubin)
 TUNING = "tuning"  # a kernel's tuning result (.best_config)
 OTHER = "other"  # anything else: generated code, cache entries, locks
 _LAUNCHER_MARKS = ("__triton_launcher", "cuda_utils", "hip_utils")
+
+
+def driver_jit(written: Sequence[str]) -> int:
+    """How many of ``written`` are the CUDA driver's JIT cache entries (``label/cuda-cache/``,
+    its ``index`` aside): PTX the driver compiled for this GPU because the shipped cache had no
+    binary for it. cuDNN's runtime-compiled kernels (attention, fused convolutions) are the
+    usual ones, and which ones cuDNN builds can differ between processes (docs/benchmarks.md),
+    so the line names the driver rather than a file hash a reader cannot place."""
+    return sum(
+        1
+        for name in written
+        if name.split("/")[1:2] == [CUDA_CACHE_DIR] and PurePosixPath(name).name != "index"
+    )
 
 
 def kind_of(name: str) -> str:
