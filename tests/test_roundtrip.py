@@ -157,7 +157,7 @@ def test_explain_tells_a_key_miss_from_kernel_rebuilds() -> None:
         written=3,
         new_files=[
             "DIR/cuda-cache/4/4/4aa7b38cbac7a7",
-            "DIR/cuda-cache/f/c/58a3c2d1163aec",
+            "DIR/ranks/1/cuda-cache/f/c/58a3c2d1163aec",  # a rank's own driver cache
             "DIR/cuda-cache/index",
         ],
     )

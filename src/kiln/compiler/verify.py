@@ -32,7 +32,7 @@ from kiln.compiler.check import CheckReport, compare_manifest
 from kiln.compiler.dynamo_log import RESUME_FRAME
 from kiln.compiler.launch import WorkerRun, run_worker
 from kiln.compiler.protocol import WorkerRequest, input_stream
-from kiln.compiler.writes import driver_jit
+from kiln.compiler.writes import driver_jit, in_driver_cache
 from kiln.errors import IncompatibleError, NotFoundError, PackageLoadError, UsageError
 from kiln.events import EventSink
 from kiln.files import atomic_write
@@ -155,7 +155,7 @@ def explain(
             hint += f"; Dynamo traced it because {why}"
     else:
         jit = driver_jit(b.new_files)
-        others = [n for n in b.new_files if f"/{CUDA_CACHE_DIR}/" not in n]
+        others = [n for n in b.new_files if not in_driver_cache(n)]
         names = sorted({PurePosixPath(n).name for n in others})[:3]
         what_ran = [", ".join(names)] if names else []
         if jit:

@@ -31,17 +31,19 @@ OTHER = "other"  # anything else: generated code, cache entries, locks
 _LAUNCHER_MARKS = ("__triton_launcher", "cuda_utils", "hip_utils")
 
 
+def in_driver_cache(name: str) -> bool:
+    """Whether a written file is in a CUDA driver JIT cache kiln ships (``cuda-cache/``, a
+    rank's included)."""
+    return CUDA_CACHE_DIR in PurePosixPath(name).parts[:-1]
+
+
 def driver_jit(written: Sequence[str]) -> int:
-    """How many of ``written`` are the CUDA driver's JIT cache entries (``label/cuda-cache/``,
-    its ``index`` aside): PTX the driver compiled for this GPU because the shipped cache had no
-    binary for it. cuDNN's runtime-compiled kernels (attention, fused convolutions) are the
-    usual ones, and which ones cuDNN builds can differ between processes (docs/benchmarks.md),
-    so the line names the driver rather than a file hash a reader cannot place."""
-    return sum(
-        1
-        for name in written
-        if name.split("/")[1:2] == [CUDA_CACHE_DIR] and PurePosixPath(name).name != "index"
-    )
+    """How many of ``written`` are the CUDA driver's JIT cache entries (its ``index`` aside):
+    PTX the driver compiled for this GPU because the shipped cache had no binary for it.
+    cuDNN's runtime-compiled kernels (attention, fused convolutions) are the usual ones, and
+    which ones cuDNN builds can differ between processes (docs/benchmarks.md), so the line
+    names the driver rather than a file hash a reader cannot place."""
+    return sum(1 for n in written if in_driver_cache(n) and PurePosixPath(n).name != "index")
 
 
 def kind_of(name: str) -> str:
