@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from kiln.artifact.manifest import MAX_FRAMES, MAX_TUNED, NEW_FILES_SAMPLE, CompileCounts
-from kiln.compiler.writes import KERNEL, LAUNCHER, OTHER, TUNING, kind_of
+from kiln.compiler.writes import KERNEL, LAUNCHER, OTHER, TUNING, kind_of, tally
 
 # Inductor's run-time tuning steps (``dynamo_timed`` names): each run is one kernel benchmarked
 # in this process. Read from ``compilation_time_metrics``, which an FX cache hit never adds to,
@@ -131,9 +131,7 @@ def compile_counts(
     (a bake pass), or, ``served``, everything a served process wrote where it must not
     (:mod:`kiln.compiler.writes`), each of which is a miss, and the kernels it benchmarked by
     name (``benchmarked``; a bake pass tunes by design, and its manifest names none)."""
-    kinds = {KERNEL: 0, LAUNCHER: 0, TUNING: 0, OTHER: 0}
-    for name in new_files:
-        kinds[kind_of(name)] += 1
+    kinds = tally(new_files)
     native, tuned = kinds[KERNEL], kinds[TUNING]
     return CompileCounts(
         **_shared(diff) | {"aot_misses": diff.aot_compiles, "aot_restarts": diff.aot_restarts},

@@ -14,6 +14,7 @@ is no change. Torch-free.
 from __future__ import annotations
 
 import os
+from collections import Counter
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path, PurePosixPath
@@ -127,10 +128,6 @@ class Watch:
             return False
 
 
-def tally(written: Sequence[str]) -> dict[str, int]:
-    """How many written files of each kind (:func:`kind_of`)."""
-    out: dict[str, int] = {}
-    for name in written:
-        kind = kind_of(name)
-        out[kind] = out.get(kind, 0) + 1
-    return out
+def tally(written: Sequence[str]) -> Counter[str]:
+    """How many written files of each kind (:func:`kind_of`); a kind none was is 0."""
+    return Counter(map(kind_of, written))
