@@ -260,6 +260,13 @@ HOSTILE: list[Hostile] = [
         "TORCHINDUCTOR_CACHE_DIR",
     ),
     Hostile("env-triton-home", _with_manifest(env={"TRITON_HOME": "/tmp"}), "TRITON_HOME"),
+    # kiln.env quotes the manifest's workdir into shell code and messages (kiln.workdir)
+    Hostile(
+        "workdir-newline",
+        _with_manifest(workdir={"path": "/app\n$(touch pwned)", "keyed": 1}),
+        "printable",
+    ),
+    Hostile("workdir-relative", _with_manifest(workdir={"path": "app", "keyed": 1}), "absolute"),
     Hostile("env-cuda-cache", _with_manifest(env={"CUDA_CACHE_PATH": "/tmp"}), "CUDA_CACHE_PATH"),
     Hostile("env-nul-value", _with_manifest(env={"TORCH_LOGS": "a\x00b"}), "NUL"),
     Hostile("name-newline", _with_manifest(name="demo\ntouch pwned"), "not an artifact name"),

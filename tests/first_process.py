@@ -151,9 +151,11 @@ def serve_like_a_user(
     env: dict[str, str] | None = None,
     exports: dict[str, str] | None = None,
     timeout: float = 900,
+    cwd: Path | None = None,
 ) -> Served:
-    """Run ``server`` as the next process on ``dest`` (``. dest/kiln.env`` first). ``env`` is
-    the image's environment, which ``kiln.env`` may change; ``exports`` are set after it."""
+    """Run ``server`` as the next process on ``dest`` (``. dest/kiln.env`` first), started in
+    ``cwd`` (the image's WORKDIR; this process's by default). ``env`` is the image's
+    environment, which ``kiln.env`` may change; ``exports`` are set after it."""
     home, tmp = work / "home", work / "tmp"
     home.mkdir(parents=True)
     tmp.mkdir(parents=True)
@@ -165,7 +167,8 @@ def serve_like_a_user(
     argv += ["--seed", str(seed)]
     proc = subprocess.run(
         ["sh", "-c", script, "sh", str(dest), *argv],
-        env=user_env(home, tmp) | (env or {}),
+        env=user_env(home, tmp) | ({"PWD": str(cwd)} if cwd else {}) | (env or {}),
+        cwd=cwd,
         capture_output=True,
         text=True,
         timeout=timeout,

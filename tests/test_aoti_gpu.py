@@ -8,6 +8,7 @@ Skipped without CUDA (conftest); on the GPU machine:
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -15,7 +16,8 @@ from pathlib import Path
 import pytest
 
 import kiln
-from tests.conftest import MODELS, gpt_spec
+from tests.conftest import MODELS, Cli, gpt_spec
+from tests.first_process import digest_tree
 
 pytestmark = [pytest.mark.gpu, pytest.mark.slow]
 
@@ -32,7 +34,7 @@ t0 = time.time()
 import torch
 import kiln
 t1 = time.time()
-act = kiln.activate(sys.argv[1], compat="fail")
+act = kiln.activate(sys.argv[1], compat=sys.argv[3])
 sys.path.insert(0, sys.argv[2])
 from models import tiny_gpt
 model = tiny_gpt(512, 128, 2, 4).to("cuda", torch.bfloat16).eval()
@@ -57,24 +59,29 @@ print(json.dumps({"close": close, "misses": served.misses,
 """
 
 
-def serve(restored: Path) -> dict:
+def serve(restored: Path, cwd: Path | None = None, compat: str = "fail") -> dict:
+    """SERVE as a process started in ``cwd`` (a shell's ``PWD`` with it)."""
     run = subprocess.run(
-        [sys.executable, "-c", SERVE, str(restored), str(MODELS.parent)],
+        [sys.executable, "-c", SERVE, str(restored), str(MODELS.parent), compat],
         capture_output=True,
         text=True,
         timeout=600,
+        cwd=cwd,
+        env={**os.environ, "PWD": str(cwd)} if cwd else None,
     )
     assert run.returncode == 0, run.stderr[-4000:]
     out = json.loads(run.stdout.strip().splitlines()[-1])
     print("\naoti serve:", out)
-    return out
+    return out | {"stderr": run.stderr}
 
 
 @pytest.fixture(scope="module")
 def aoti_gpu(tmp_path_factory: pytest.TempPathFactory):
+    """Baked for a server in its own folder (``serve.workdir``), not the test run's."""
     d = tmp_path_factory.mktemp("aoti-gpu")
+    (d / "app").mkdir()
     spec = d / "spec.yaml"
-    spec.write_text(gpt_aoti_spec("gpt-aoti-gpu"))
+    spec.write_text(gpt_aoti_spec("gpt-aoti-gpu") + f"serve: {{workdir: {d / 'app'}}}\n")
     result = kiln.bake(spec, d / "a.kiln.tar.zst")
     assert result is not None
     kiln.restore(result.artifact, d / "restored")
@@ -95,8 +102,8 @@ def test_bake_packages_cuda_kernels_without_weights(aoti_gpu) -> None:
 
 
 def test_served_on_the_gpu_without_dynamo_inductor_or_triton(aoti_gpu) -> None:
-    _, restored, _ = aoti_gpu
-    out = serve(restored)
+    spec, restored, _ = aoti_gpu
+    out = serve(restored, cwd=spec.parent / "app")  # where it was baked for (compat="fail")
     assert out["close"] == [True, True, True, True]
     assert out["misses"] == 0
     assert out["compiler"] == []
@@ -105,6 +112,7 @@ def test_served_on_the_gpu_without_dynamo_inductor_or_triton(aoti_gpu) -> None:
 
 def test_verify_passes_on_the_gpu(aoti_gpu, cli) -> None:
     spec, restored, _ = aoti_gpu
+    # Run from another folder than the server's: verify serves in serve.workdir.
     run = cli("verify", spec, "--cache", restored, "--json")
     report = json.loads(run.stdout)
     # Where each written file is (DIR/, HOME/ or TMPDIR/ and its whole path), on a failure.
@@ -112,6 +120,34 @@ def test_verify_passes_on_the_gpu(aoti_gpu, cli) -> None:
     assert run.returncode == 0, f"{run.stderr[-2000:]}\n{written}"
     assert report["route"] == "aoti" and report["compiles"] == 0
     assert report["compiler_modules"] == []
+
+
+def test_a_server_in_another_folder_is_told_what_it_costs(aoti_gpu, tmp_path: Path) -> None:
+    """cuDNN's runtime-compiled attention kernels are keyed by the working directory
+    (kiln.workdir): served in ``serve.workdir`` the shipped driver entries hit and nothing is
+    written; served elsewhere the driver JIT-compiles them again, activate() says why, and
+    ``kiln check`` there exits 5 naming the folder."""
+    spec, restored, result = aoti_gpu
+    app = spec.parent / "app"
+    workdir = result.manifest.workdir
+    assert workdir is not None and workdir.path == str(app), result.manifest.workdir
+    print("\ndriver entries keyed by the workdir:", workdir.keyed)
+    written = {}
+    for where in (app, tmp_path):
+        dest = tmp_path / f"dest-{where.name}"
+        kiln.restore(result.artifact, dest)
+        before = digest_tree(dest / "cuda-cache")
+        out = serve(dest, cwd=where, compat="warn")
+        assert out["close"] == [True, True, True, True] and out["misses"] == 0
+        after = digest_tree(dest / "cuda-cache")
+        written[where] = sorted(k for k in after if before.get(k) != after[k]), out["stderr"]
+    assert written[app] == ([], written[app][1])
+    assert "process.workdir" not in written[app][1]
+    jitted, said = written[tmp_path]
+    print("written in another folder:", jitted)
+    assert len(jitted) > 1 and "process.workdir" in said, (jitted, said[-2000:])
+    run = Cli(tmp_path)("check", restored, "--json", env={"PWD": str(tmp_path)})
+    assert run.returncode == 5 and "process.workdir" in run.stderr, run.stderr[-2000:]
 
 
 def test_reduce_overhead_is_said_to_serve_without_cuda_graphs(tmp_path: Path) -> None:

@@ -49,7 +49,9 @@ def record(name: str, data: dict) -> None:
 
 @pytest.fixture(scope="module", params=SPECS)
 def baked(request, tmp_path_factory) -> tuple[Path, Path]:
-    """The spec and its artifact: carried in (``KILN_GPU_ARTIFACTS``) or baked here."""
+    """The spec and its artifact: carried in (``KILN_GPU_ARTIFACTS``) or baked here, for a
+    server that runs in a folder of its own (``serve.workdir``, :func:`server_folder`), not in
+    the folder pytest runs in."""
     spec = ROOT / request.param
     carried_in = os.environ.get("KILN_GPU_ARTIFACTS", "/nonexistent")
     carried = Path(carried_in, f"{spec.stem}.kiln.tar.zst")
@@ -57,12 +59,18 @@ def baked(request, tmp_path_factory) -> tuple[Path, Path]:
         record(spec.stem, {"carried": str(carried)})
         return spec, carried
     d = tmp_path_factory.mktemp(spec.stem)
+    app = d / "app"
+    app.mkdir()
+    served = kiln.load_spec(spec)
+    served = served.model_copy(
+        update={"serve": served.serve.model_copy(update={"workdir": str(app)})}
+    )
     # The bake proves CPU ISAs as the user's server does (tests/conftest.py trusts the flags for
     # the rest of the run; the setting is in Inductor's cache key, and the server's environment
     # is a fresh pod's): with it, every bucket of the user's first process missed its FX entry.
     with pytest.MonkeyPatch.context() as mp:
         mp.delenv("TORCHINDUCTOR_VEC_ISA_OK", raising=False)
-        result = kiln.bake(spec, d / "a.kiln.tar.zst")
+        result = kiln.bake(served, d / "a.kiln.tar.zst")
     record(
         spec.stem,
         {
@@ -76,6 +84,15 @@ def baked(request, tmp_path_factory) -> tuple[Path, Path]:
     return spec, result.artifact
 
 
+def server_folder(artifact: Path, tmp_path: Path) -> Path:
+    """Where the user's server runs: where the bake ran its processes, when the artifact's
+    driver entries are keyed by it (kiln.workdir), else a folder of its own."""
+    keyed = kiln.read_manifest(artifact).workdir
+    folder = Path(keyed.path) if keyed else tmp_path / "app"
+    folder.mkdir(parents=True, exist_ok=True)
+    return folder
+
+
 def read_only(folder: Path) -> None:
     """A read-only bind mount of ``folder`` over itself (root ignores file modes)."""
     subprocess.run(["mount", "--bind", str(folder), str(folder)], check=True)
@@ -84,13 +101,16 @@ def read_only(folder: Path) -> None:
 
 def test_first_user_process_does_no_compile_work(baked, tmp_path: Path) -> None:
     spec, artifact = baked
+    cwd = server_folder(artifact, tmp_path)
     for i, (order, ro) in enumerate(ORDERS):
         dest = tmp_path / f"pod{i}" / "opt" / "kiln"
         kiln.restore(artifact, dest)
         if ro:
             read_only(dest)
         try:
-            served = serve_like_a_user(spec, dest, tmp_path / f"run{i}", order=order, seed=i)
+            served = serve_like_a_user(
+                spec, dest, tmp_path / f"run{i}", order=order, seed=i, cwd=cwd
+            )
         finally:
             if ro:
                 subprocess.run(["umount", "-l", str(dest)], check=False)
@@ -184,6 +204,7 @@ def test_an_image_triton_cache_dir_moves_nothing(baked, tmp_path: Path) -> None:
             tmp_path / f"run{i}",
             env=None if exported else setting,
             exports=setting if exported else None,
+            cwd=server_folder(artifact, tmp_path),
         )
         runs[exported] = served, sorted(digest_tree(moved))
         record(

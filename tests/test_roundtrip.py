@@ -166,6 +166,10 @@ def test_explain_tells_a_key_miss_from_kernel_rebuilds() -> None:
         "wrote: the CUDA driver JIT-compiled 2 kernel(s) into cuda-cache/ that the shipped "
         "driver cache lacks)"
     )
+    # ... and where the served process ran elsewhere than the bake (kiln.workdir), that too.
+    assert explain(jitted, "process.workdir").endswith(
+        "lacks (environment differs: process.workdir))"
+    )
     missed = BucketStats(
         **base, steady_s=0.001, fx_misses=1, recompile_reasons=retuned.recompile_reasons
     )

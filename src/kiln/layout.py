@@ -27,6 +27,7 @@ TRITON_HOME_DIR = "triton-home"
 # artifact, so a served process loads them instead of JIT-compiling in every new pod; a process
 # that hits the cache rewrites nothing in it (measured: every file byte-for-byte the same).
 CUDA_CACHE_DIR = "cuda-cache"
+CUDA_CACHE_INDEX = "index"  # the driver's index of its entries, rewritten as it adds one
 # Inductor takes a file lock under CACHE/locks for every C++ kernel it loads, hit or not; restore
 # links that folder to LOCKS_TARGET so that a read-only DEST serves and a served process writes
 # nothing into it (the locks are empty files, meaningful only between processes of one host).

@@ -29,6 +29,7 @@ from typing import Any, Literal, Protocol
 
 from kiln.envrules import ENV_KEY_PATTERN, is_cache_location
 from kiln.layout import CacheLayout
+from kiln.workdir import env_lines as workdir_lines
 
 
 # What this module reads of the spec and the manifest, which both import it: structural types,
@@ -349,9 +350,16 @@ def _cuda_copy_lines(dest: Path, rank_var: str | None) -> list[str]:
     ]
 
 
-def env_file_text(dest: Path, name: str, env: Mapping[str, str], world: int | None = None) -> str:
+def env_file_text(
+    dest: Path,
+    name: str,
+    env: Mapping[str, str],
+    world: int | None = None,
+    workdir: str | None = None,
+) -> str:
     """``kiln.env``: :func:`cache_env` as shell ``export`` lines, every value quoted, then an
-    ``unset`` of :data:`UNSET_ENV`.
+    ``unset`` of :data:`UNSET_ENV`; with ``workdir`` (the folder the shipped driver entries are
+    keyed by, kiln.workdir), a line on stderr when the sourcing shell runs elsewhere.
 
     Keys are re-checked here even though the manifest reader checked them: this text is run by
     a shell, so it must be safe whatever the caller passed. For a K-rank artifact (``world``
@@ -375,6 +383,8 @@ def env_file_text(dest: Path, name: str, env: Mapping[str, str], world: int | No
     lines.append(f"unset {' '.join(UNSET_ENV)}")
     if world is None:
         lines.extend(_cuda_copy_lines(dest, None))
+    if workdir is not None:
+        lines.extend(workdir_lines(workdir))
     return "\n".join(lines) + "\n"
 
 

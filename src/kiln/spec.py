@@ -50,6 +50,7 @@ from kiln.spec_yaml import (
     printable,
     read_mapping,
 )
+from kiln.workdir import workdir_problem
 
 DType = Literal["float32", "float16", "bfloat16", "int64", "int32", "bool"]
 FloatDType = Literal["float32", "float16", "bfloat16"]
@@ -279,6 +280,28 @@ class WarmupSpec(_Strict):
     )
 
 
+class ServeSpec(_Strict):
+    """Where the server runs, as far as a compiled cache depends on it (kiln.workdir)."""
+
+    workdir: str | None = Field(
+        None,
+        description=(
+            "the folder the server runs in (its image's WORKDIR): the bake runs its processes "
+            "there, because the CUDA driver keys cuDNN's runtime-compiled kernels by the "
+            "working directory; it must exist on the bake machine. Absent: the folder kiln "
+            "bake runs in"
+        ),
+    )
+
+    @field_validator("workdir")
+    @classmethod
+    def _absolute(cls, value: str | None) -> str | None:
+        problem = None if value is None else workdir_problem(value)
+        if problem is not None:
+            raise ValueError(problem)
+        return value
+
+
 class DistributedSpec(_Strict):
     """K ranks, one process each, launched by torch's own launcher (``torch.distributed.run``).
 
@@ -316,6 +339,7 @@ class Spec(_Strict):
         ),
     )
 
+    serve: ServeSpec = Field(default_factory=ServeSpec)
     bytecode: Literal["auto", "always", "never"] = Field(
         "auto",
         description=(
@@ -490,6 +514,8 @@ class Spec(_Strict):
             del out["distributed"]
         if self.bytecode == "auto":  # likewise for the default, added later
             del out["bytecode"]
+        if self.serve.workdir is None:  # and for serve (added later)
+            del out["serve"]
         # Likewise for padding (added later): absent unless declared.
         if out["compile"]["on_miss"] is None:
             del out["compile"]["on_miss"]

@@ -34,6 +34,7 @@ from kiln.bytecode import library_problem, pyc_path
 from kiln.envrules import env_key_problem, env_value_problem
 from kiln.layout import BYTECODE_DIR, RANKS_DIR, RESERVED_NAMES, CacheLayout, rank_of
 from kiln.serving import MAX_NAME_LENGTH, MAX_WORLD_SIZE, NAME_PATTERN
+from kiln.workdir import MAX_WORKDIR_LENGTH, workdir_problem
 
 FORMAT_VERSION = 2  # the newest format this kiln reads
 # Format 2 adds ``distributed`` and ``copies``: a kiln that reads only format 1 would ignore
@@ -237,6 +238,23 @@ class Bytecode(_Model):
 
     python: str = Field(max_length=64, description="sys.implementation.cache_tag it is for")
     modules: int = Field(ge=0, le=MAX_FILES)
+
+
+class Workdir(_Model):
+    """The working directory the bake's processes ran in, recorded when driver JIT cache
+    entries the artifact ships carry it (kiln.workdir says why): a server that runs anywhere
+    else JIT-compiles those kernels again."""
+
+    path: str = Field(max_length=MAX_WORKDIR_LENGTH)
+    keyed: int = Field(ge=1, le=MAX_FILES, description="shipped driver entries that carry it")
+
+    @field_validator("path")
+    @classmethod
+    def _recordable(cls, value: str) -> str:
+        problem = workdir_problem(value)
+        if problem is not None:
+            raise ValueError(problem)
+        return value
 
 
 class ProofStats(_Model):
@@ -451,6 +469,7 @@ class Manifest(_Model):
     precompiled_frames: PrecompiledFrames | None = None  # Dynamo's frames (precompile, breaks)
     bytecode: Bytecode | None = None  # imported modules' bytecode, for images without it
     aoti: Aoti | None = None  # compile.route: aoti's packages (None: the torch.compile route)
+    workdir: Workdir | None = None  # where shipped driver entries were JIT-compiled, if keyed
     # Digest of what a reproducible bake must reproduce: cache keys and code, not torch's
     # measured entries or timings (kiln.artifact.payload.payload_sha256). None: older kilns.
     payload_sha256: str | None = None

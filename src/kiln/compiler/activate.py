@@ -39,6 +39,7 @@ from kiln.serving import (
     served_torch_kwargs,
     serving_rank,
 )
+from kiln.workdir import logical_cwd
 
 if TYPE_CHECKING:
     from kiln.artifact.manifest import Manifest
@@ -352,7 +353,9 @@ def _activate_aoti(
         device = manifest.fingerprint.get("device.type", "cpu")
         here = fingerprint(device, device_index=activation.device_index, lean=True)
         world = manifest.world_size if rank is not None else None
-        report = compare_manifest(manifest, here, rank=rank, world_size=world)
+        report = compare_manifest(
+            manifest, here, rank=rank, world_size=world, workdir=logical_cwd()
+        )
         activation.check = report
         _judge(
             report,
@@ -419,6 +422,7 @@ def _compare(manifest: Manifest, device_index: int, rank: int | None) -> CheckRe
         fingerprint(device, device_index=device_index, keys=False),
         rank=rank,
         world_size=manifest.world_size if rank is not None else None,
+        workdir=logical_cwd(),
     )
 
 

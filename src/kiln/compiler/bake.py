@@ -32,7 +32,7 @@ import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
-from pathlib import Path
+from pathlib import Path, PurePosixPath
 from typing import TYPE_CHECKING, Any
 
 from kiln import bytecode
@@ -52,6 +52,7 @@ from kiln.artifact.manifest import (
     ProofStats,
     RankCaches,
     ShardInfo,
+    Workdir,
 )
 from kiln.artifact.payload import payload_sha256
 from kiln.artifact.rank_copies import Stored, store_once
@@ -75,7 +76,7 @@ from kiln.events import (
     ignore,
 )
 from kiln.grid import Bucket, Shard, expand, ordered, rotations, shard_grid
-from kiln.layout import CacheLayout
+from kiln.layout import CUDA_CACHE_INDEX, CacheLayout
 from kiln.serving import (
     DEFAULT_ON_MISS,
     SERVING_ENV,
@@ -84,7 +85,8 @@ from kiln.serving import (
     location_env,
     torch_kwargs,
 )
-from kiln.spec import MAX_PASSES, Spec, load_spec
+from kiln.spec import MAX_PASSES, Spec, error_at, load_spec
+from kiln.workdir import keyed_entries, logical_cwd
 
 if TYPE_CHECKING:
     from kiln.compiler.verify import VerifyReport
@@ -174,6 +176,7 @@ def bake(
     out = Path(out)
     sliced = Shard.of(shard) if shard is not None else None
     buckets = _baked_buckets(spec, sliced)
+    workdir = _bake_workdir(spec)
     if passes is not None and not 1 <= passes <= MAX_PASSES:
         raise UsageError(f"passes must be between 1 and {MAX_PASSES}")
     emit = on_event or ignore
@@ -184,7 +187,7 @@ def bake(
         _stable_workdir(spec.name, lambda text: emit(Waiting(message=text))) as work,
         user_launch.lead(work, launched) if launched else contextlib.nullcontext(),
     ):
-        baker = _Baker(spec, buckets, work, emit, shard=sliced)
+        baker = _Baker(spec, buckets, work, emit, workdir, shard=sliced)
         baker.compile_passes(passes)
         manifest = baker.manifest()
         if prove:
@@ -201,6 +204,22 @@ def bake(
         workdir=kept,
         runs=baker.runs,
     )
+
+
+def _bake_workdir(spec: Spec) -> Path:
+    """Where the bake runs its processes (kiln.workdir says why): the server's folder, which
+    the spec names and which must exist here, else the folder this bake runs in."""
+    declared = spec.serve.workdir
+    if declared is None:
+        return Path(logical_cwd())
+    if not Path(declared).is_dir():
+        raise error_at(
+            spec,
+            "serve.workdir",
+            f"{declared} is no folder on this machine: the bake runs its processes there, as "
+            "the server will (create it, or bake where it exists)",
+        )
+    return Path(declared)
 
 
 def _baked_buckets(spec: Spec, sliced: Shard | None) -> list[Bucket]:
@@ -339,6 +358,7 @@ class _Baker:
     buckets: list[Bucket]
     work: Path
     emit: EventSink
+    workdir: Path  # every process of the bake runs there, as the server will (kiln.workdir)
     shard: Shard | None = None
     runs: list[WorkerRun] = field(default_factory=list)
     pass_stats: list[PassStats] = field(default_factory=list)
@@ -402,7 +422,7 @@ class _Baker:
         base = self.first if i == 0 else self.later
         request = base.replace(order=order, input_seed=input_stream(i))
         env = self.env if i == 0 else self.env | SERVING_ENV  # later passes load as servers do
-        run = run_worker(self.spec, request, env, on_event=self.emit)
+        run = run_worker(self.spec, request, env, on_event=self.emit, cwd=self.workdir)
         self.runs.append(run)
         compiles = sum(result.compiles for result in run.results)  # quiet: every rank is
         self.pass_stats.append(PassStats(order=order, compiles=compiles, wall_s=run.wall_s))
@@ -426,7 +446,7 @@ class _Baker:
             fingerprint=False,
             report_imports=False,
         )
-        run_worker(self.spec, request, self.env, on_event=self.emit)
+        run_worker(self.spec, request, self.env, on_event=self.emit, cwd=self.workdir)
         world = self.spec.world_size if self.spec.distributed else None
         for layout in CacheLayout.ranks(self.work, world):
             for graphs in (*(layout.inductor / name for name in _GRAPH_DIRS), layout.frames):
@@ -467,12 +487,23 @@ class _Baker:
             proof,
             self.later.torch_kwargs,
             self._bytecode,
+            self._keyed_workdir(files),
         )
         if stored is not None:
             manifest = _with_ranks(self.spec, manifest, runs, stored)
         if self.shard is not None:
             manifest.shard = ShardInfo.of(self.shard.count, [self.shard.index])
         return manifest
+
+    def _keyed_workdir(self, files: list[FileEntry]) -> Workdir | None:
+        """The bake's working directory, when driver JIT entries it ships carry it."""
+        entries = [
+            self.work / f.path
+            for f in files
+            if f.kind == "driver" and PurePosixPath(f.path).name != CUDA_CACHE_INDEX
+        ]
+        keyed = keyed_entries(entries, str(self.workdir))
+        return Workdir(path=str(self.workdir), keyed=keyed) if keyed else None
 
     def _write_bytecode(self) -> Bytecode | None:
         """The bytecode of the library modules a server imports, compiled into the work
@@ -512,7 +543,9 @@ class _Baker:
             report_imports=True,
             input_seed=input_stream(len(self.runs)),
         )
-        run = run_worker(self.spec, request, self.env | SERVING_ENV, on_event=self.emit)
+        run = run_worker(
+            self.spec, request, self.env | SERVING_ENV, on_event=self.emit, cwd=self.workdir
+        )
         self._serving_missed = _serving_missed(run)
         return sorted({s for r in run.results for s in r.imported_sources})
 
@@ -662,6 +695,7 @@ def _manifest(
     proof: ProofStats | None,
     compile_kwargs: dict[str, Any] | None,
     bytecode: Bytecode | None = None,
+    workdir: Workdir | None = None,
 ) -> Manifest:
     first = runs[0]
     top = CacheLayout()
@@ -716,6 +750,7 @@ def _manifest(
         graph_breaks=_graph_breaks(runs),
         warnings=warnings,
         proof=proof,
+        workdir=workdir,
     )
 
 

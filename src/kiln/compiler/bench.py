@@ -66,6 +66,7 @@ from kiln.serving import (
     with_compile_threads,
 )
 from kiln.spec import Spec, load_spec
+from kiln.workdir import served_in
 
 MODES = ("eager", "cold", "kiln", "megacache", "copied")
 # Opt-in: the restored folder *plus* the hot-loaded blob (kiln.activate's route), and kiln with
@@ -434,7 +435,9 @@ class _Bench:
         self, mode: str, i: int, env: dict[str, str], request: WorkerRequest, runs: int = 0
     ) -> WorkerRun:
         self.emit(ModeStarted(mode=mode, run=i + 1, runs=runs or self.repeat))
-        return run_worker(self.spec, request, env, on_event=self.emit)
+        # Every mode where the server runs, as the bakes did (kiln.workdir).
+        cwd = served_in(self.spec.serve.workdir)
+        return run_worker(self.spec, request, env, on_event=self.emit, cwd=cwd)
 
     def _empty(self, name: str) -> Path:
         root = CacheLayout(self.work / name).inductor

@@ -26,6 +26,7 @@ from kiln.compiler.location import (
 from kiln.errors import IncompatibleError
 from kiln.factors import Factor, compare, misses
 from kiln.serving import SERVING_ENV, SERVING_NOTES
+from kiln.workdir import logical_cwd, workdir_factor
 
 
 @dataclass
@@ -75,14 +76,20 @@ def compare_manifest(
     *,
     rank: int | None = None,
     world_size: int | None = None,
+    workdir: str | None = None,
 ) -> CheckReport:
     """``here`` against what the manifest baked: for a K-rank artifact, rank ``rank``'s
-    fingerprint (rank 0's when None), and the rank and world size as factors of their own."""
+    fingerprint (rank 0's when None), and the rank and world size as factors of their own;
+    ``workdir``, the serving process's (:func:`kiln.workdir.logical_cwd`), against the one the
+    shipped driver entries are keyed by."""
     baked = manifest.fingerprint
     if manifest.distributed is not None and rank is not None and rank < manifest.world_size:
         baked = manifest.distributed.ranks[rank].fingerprint
     route = "aoti" if manifest.aoti is not None else "compile"
     factors = compare(baked, here, route) + rank_factors(manifest, rank, world_size)
+    keyed = manifest.workdir.path if manifest.workdir else None
+    if workdir is not None and (where := workdir_factor(keyed, workdir)) is not None:
+        factors.append(where)
     if manifest.precompiled_frames is not None:
         factors = [_frames_python(f) if f.name == "python" else f for f in factors]
     disabled = os.environ.get("TORCHINDUCTOR_FORCE_DISABLE_CACHES", "0") not in ("", "0")
@@ -181,7 +188,9 @@ def check(
         else:
             with probe_inductor_dir():  # the ISA probes compile there, not into DIR or $TMPDIR
                 here = fingerprint(device, device_index=index, keys=keys and "torch.key" in baked)
-    report = compare_manifest(manifest, here, rank=rank, world_size=world_size)
+    report = compare_manifest(
+        manifest, here, rank=rank, world_size=world_size, workdir=logical_cwd()
+    )
     if where is not None:
         report.factors.append(where)
     if manifest.aoti is None:  # the aoti route starts no Inductor, so has no pool to race

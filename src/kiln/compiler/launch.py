@@ -35,6 +35,7 @@ from kiln.errors import UsageError
 from kiln.events import EventSink
 from kiln.serving import worker_env
 from kiln.spec import Spec
+from kiln.workdir import process_env
 
 
 @dataclass(frozen=True)
@@ -79,8 +80,11 @@ def run_worker(
     *,
     on_event: EventSink | None = None,
     timeout: float | None = None,
+    cwd: Path | None = None,
 ) -> WorkerRun:
     """Run one grid pass of ``spec`` in a fresh interpreter; raise a :class:`KilnError` on failure.
+    ``cwd``: the working directory it runs in, as a server started there (kiln.workdir); None:
+    this process's.
 
     The worker leads its own process group, so that when this call is interrupted (Ctrl-C, or
     SIGTERM, which the CLI turns into an exception) it is killed together with the compile
@@ -109,7 +113,13 @@ def run_worker(
         ended = time.time()
     else:
         spawned, ended, returncode, log, outcomes = _run_here(
-            requests, env, world, on_event, heartbeat_s, timeout
+            requests,
+            env | (process_env(cwd) if cwd else {}),
+            world,
+            on_event,
+            heartbeat_s,
+            timeout,
+            cwd,
         )
     failed = [(i, o.failure) for i, o in enumerate(outcomes) if o and o.failure is not None]
     if failed:
@@ -138,6 +148,7 @@ def _run_here(
     on_event: EventSink | None,
     heartbeat_s: float | None,
     timeout: float | None,
+    cwd: Path | None,
 ) -> tuple[float, float, int, str, list[WorkerOutcome | None]]:
     """One worker, or torchrun starting ``world`` of them, from this process; (start and end
     epochs, exit code, log, each rank's outcome or None)."""
@@ -152,7 +163,14 @@ def _run_here(
         if "TMPDIR" not in env:  # a served process's own (verify watches it) stands
             child_env["TMPDIR"] = str(private_tmp(folder))
         spawned, returncode = spawn(
-            folder, command, child_env, on_event, heartbeat_s, timeout, graceful=bool(world)
+            folder,
+            command,
+            child_env,
+            on_event,
+            heartbeat_s,
+            timeout,
+            graceful=bool(world),
+            cwd=cwd,
         )
         ended = time.time()
         log = (folder / "stderr.log").read_text(errors="replace")

@@ -98,6 +98,7 @@ def spawn(
     timeout: float | None,
     *,
     graceful: bool = False,
+    cwd: Path | None = None,
 ) -> tuple[float, int]:
     """Run ``command`` (a worker, or torchrun starting K), relaying its events; (start epoch,
     exit code). ``graceful``: on interruption, SIGTERM first (torchrun forwards it to the ranks,
@@ -110,6 +111,7 @@ def spawn(
             stderr=err,
             stdin=subprocess.DEVNULL,
             env=env,
+            cwd=cwd,
             start_new_session=True,
         )
         try:

@@ -171,6 +171,7 @@ class WorkerResult(_Message):
     compiler_modules: list[str] = Field(
         default_factory=list, description="torch._dynamo / torch._inductor, if imported by the end"
     )
+    workdir: str | None = Field(None, description="the working directory, as NVRTC names it")
 
     @property
     def compiles(self) -> int:

@@ -40,6 +40,7 @@ from kiln.grid import expand, off_grid, ordered
 from kiln.layout import CUDA_CACHE_DIR, INDUCTOR_DIR, CacheLayout
 from kiln.serving import cache_env, served_torch_kwargs
 from kiln.spec import Spec, differing_keys, load_spec
+from kiln.workdir import served_in
 
 _VERIFY_STREAMS = 100  # input streams below this are the bake's passes
 # The routes a server takes to a restored folder: plain torch.compile after `. kiln.env`, and
@@ -159,10 +160,11 @@ def explain(
         names = sorted({PurePosixPath(n).name for n in others})[:3]
         what_ran = [", ".join(names)] if names else []
         if jit:
+            differs = f" (environment differs: {factors})" if factors else ""
             what_ran.insert(
                 0,
                 f"the CUDA driver JIT-compiled {jit} kernel(s) into {CUDA_CACHE_DIR}/ that the "
-                "shipped driver cache lacks",
+                f"shipped driver cache lacks{differs}",
             )
         if b.tuned_kernels:  # which kernel to look at, not just how many
             what_ran.append("benchmarked " + ", ".join(b.tuned_kernels[:3]))
@@ -347,6 +349,7 @@ def _environment_check(spec: Spec, manifest: Manifest, lead: WorkerRun) -> Check
             result.fingerprint,
             rank=rank if manifest.distributed else None,
             world_size=spec.world_size if manifest.distributed else None,
+            workdir=result.workdir,
         )
         for rank, result in enumerate(lead.results)
         if result.fingerprint
@@ -418,7 +421,8 @@ def serve_copy(
 ) -> WorkerRun:
     """One fresh process serving ``order`` on ``route`` from a private copy of ``cache``,
     with an empty ``HOME`` and ``TMPDIR``: what it writes anywhere there is counted, and the
-    restored folder stays as found."""
+    restored folder stays as found. It runs where the server runs, as far as that is known and
+    exists here (:func:`kiln.workdir.served_in`)."""
     with tempfile.TemporaryDirectory(prefix="kiln-serve-") as tmp:
         served, home, temp = Path(tmp, "dest"), Path(tmp, "home"), Path(tmp, "tmp")
         shutil.copytree(cache, served, symlinks=True)
@@ -433,7 +437,10 @@ def serve_copy(
             # Data the bake never drew, as traffic's is: a path the bake's inputs missed shows.
             input_seed=input_stream(_VERIFY_STREAMS + seed),
         )
-        return run_worker(spec, request, env, on_event=on_event)
+        # Where the server runs: the folder the shipped driver entries are keyed by, or the
+        # one the spec names.
+        where = manifest.workdir.path if manifest.workdir else spec.serve.workdir
+        return run_worker(spec, request, env, on_event=on_event, cwd=served_in(where))
 
 
 def first_process(

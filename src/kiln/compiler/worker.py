@@ -54,6 +54,7 @@ from kiln.events import BucketDone, BucketStarted, FirstPassDone, WorkerEvent, W
 from kiln.grid import Bucket, expand
 from kiln.layout import CacheLayout
 from kiln.spec import Spec
+from kiln.workdir import logical_cwd
 
 if TYPE_CHECKING:
     from kiln.compiler.activate import Activation
@@ -164,6 +165,7 @@ def run(request: WorkerRequest) -> WorkerResult:
         phases=clock.phases,
         aoti=forward.aoti.info if request.aoti_build and forward.aoti else None,
         compiler_modules=[m for m in ("torch._dynamo", "torch._inductor") if m in sys.modules],
+        workdir=logical_cwd(),
     )
 
 

@@ -20,7 +20,7 @@ from dataclasses import dataclass
 from pathlib import Path, PurePosixPath
 
 from kiln.artifact.archive import sha256_file
-from kiln.layout import CUDA_CACHE_DIR
+from kiln.layout import CUDA_CACHE_DIR, CUDA_CACHE_INDEX
 
 Stat = tuple[int, int, int]  # size, mtime_ns, inode
 
@@ -44,7 +44,9 @@ def driver_jit(written: Sequence[str]) -> int:
     cuDNN's runtime-compiled kernels (attention, fused convolutions) are the usual ones, and
     which ones cuDNN builds can differ between processes (docs/benchmarks.md), so the line
     names the driver rather than a file hash a reader cannot place."""
-    return sum(1 for n in written if in_driver_cache(n) and PurePosixPath(n).name != "index")
+    return sum(
+        1 for n in written if in_driver_cache(n) and PurePosixPath(n).name != CUDA_CACHE_INDEX
+    )
 
 
 def kind_of(name: str) -> str:
