@@ -25,6 +25,7 @@ import pytest
 import kiln
 from kiln.errors import VerificationError
 from kiln.serving import cuda_cache_copy
+from kiln.spec import Spec
 from tests.conftest import ROOT
 from tests.first_process import digest_tree, serve_like_a_user
 
@@ -61,10 +62,7 @@ def baked(request, tmp_path_factory) -> tuple[Path, Path]:
     d = tmp_path_factory.mktemp(spec.stem)
     app = d / "app"
     app.mkdir()
-    served = kiln.load_spec(spec)
-    served = served.model_copy(
-        update={"serve": served.serve.model_copy(update={"workdir": str(app)})}
-    )
+    served = served_spec(spec, app)
     # The bake proves CPU ISAs as the user's server does (tests/conftest.py trusts the flags for
     # the rest of the run; the setting is in Inductor's cache key, and the server's environment
     # is a fresh pod's): with it, every bucket of the user's first process missed its FX entry.
@@ -82,6 +80,14 @@ def baked(request, tmp_path_factory) -> tuple[Path, Path]:
     if out:  # for the next call to carry (KILN_GPU_ARTIFACTS)
         shutil.copyfile(result.artifact, Path(out) / f"{spec.stem}.kiln.tar.zst")
     return spec, result.artifact
+
+
+def served_spec(spec: Path, folder: Path) -> Spec:
+    """``spec`` for a server that runs in ``folder`` (``serve.workdir``)."""
+    loaded = kiln.load_spec(spec)
+    return loaded.model_copy(
+        update={"serve": loaded.serve.model_copy(update={"workdir": str(folder)})}
+    )
 
 
 def server_folder(artifact: Path, tmp_path: Path) -> Path:
@@ -133,7 +139,8 @@ def test_verify_agrees_with_the_user_server(baked, tmp_path: Path) -> None:
     spec, artifact = baked
     dest = tmp_path / "verify" / "cache"
     kiln.restore(artifact, dest)
-    report = kiln.verify(spec, dest, order="shuffle", seed=3)
+    where = server_folder(artifact, tmp_path)
+    report = kiln.verify(served_spec(spec, where), dest, order="shuffle", seed=3)
     record(spec.stem, {"verify": report.to_dict()})
     aoti = kiln.read_manifest(artifact).aoti is not None  # served by kiln.activate() alone
     assert report.routes == (["activate"] if aoti else ["plain", "activate"])
@@ -157,7 +164,9 @@ def test_verify_names_a_lost_tuning_result_and_a_lost_helper(baked, tmp_path: Pa
         pytest.skip(f"{spec.stem}: no .best_config ({len(tuned)}) or cuda_utils ({len(helpers)})")
     tuned[0].unlink()
     helpers[0].unlink()
-    report = kiln.verify(spec, dest, routes=("plain",))
+    report = kiln.verify(
+        served_spec(spec, server_folder(artifact, tmp_path)), dest, routes=("plain",)
+    )
     lines = " ".join(report.reasons())
     record(spec.stem, {"lost": lines})
     assert not report.ok
@@ -177,7 +186,7 @@ def test_verify_names_a_lost_package_library(baked, tmp_path: Path) -> None:
     where = f"{aoti.programs[0].path}/{aoti.programs[0].library}"
     (dest / where).unlink()
     with pytest.raises(VerificationError) as failed:
-        kiln.verify(spec, dest)
+        kiln.verify(served_spec(spec, server_folder(artifact, tmp_path)), dest)
     record(spec.stem, {"lost": str(failed.value)})
     assert f"-{where}" in str(failed.value), failed.value
     assert f"AOTInductor package library {where} is missing" in str(failed.value), failed.value

@@ -12,6 +12,7 @@ from __future__ import annotations
 import io
 import json
 import os
+import subprocess
 import tarfile
 import tempfile
 from pathlib import Path
@@ -158,6 +159,10 @@ odd_ints = st.one_of(
     st.sampled_from([-1, -(2**63), 2**31, 2**40, 2**41, 2**63, 2**64, 10**100]),
 )
 odd_values = st.one_of(odd_text, odd_ints, json_values)
+# Absolute paths a shell would act on if kiln.env ever ran one as code.
+shell_paths = st.sampled_from(
+    ["/app$(touch pwned)", "/app`touch pwned`", "/a'; touch pwned; '", '/a"$(id)"', "/%s%n"]
+) | st.text(max_size=30).map(lambda t: "/" + t)
 FILE_KEYS = ["path", "size", "sha256", "kind"]
 TOP_KEYS = [
     "format",
@@ -178,7 +183,7 @@ TOP_KEYS = [
 def mutated_manifests(draw: st.DrawFn) -> dict[str, Any]:
     data = manifest_for(FILES).model_dump(mode="json")
     for _ in range(draw(st.integers(1, 4))):
-        where = draw(st.sampled_from(["file", "top", "env", "drop", "append"]))
+        where = draw(st.sampled_from(["file", "top", "env", "drop", "append", "workdir"]))
         files = data.get("files")
         entries = [e for e in files if isinstance(e, dict)] if isinstance(files, list) else []
         if where == "file" and entries:
@@ -188,6 +193,8 @@ def mutated_manifests(draw: st.DrawFn) -> dict[str, Any]:
             data[draw(st.sampled_from(TOP_KEYS))] = draw(odd_values)
         elif where == "env":
             data["env"] = {draw(odd_text): draw(odd_text)}
+        elif where == "workdir":  # quoted into kiln.env's shell code (kiln.workdir)
+            data["workdir"] = {"path": draw(odd_text | shell_paths), "keyed": draw(odd_ints)}
         elif where == "drop":
             data.pop(draw(st.sampled_from(TOP_KEYS)), None)
         elif where == "append" and entries:
@@ -207,6 +214,35 @@ def test_mutated_manifest(workdir: Path, data: dict[str, Any]) -> None:
             [reg(p, d) for p, d in sorted(FILES.items())],
         )
         check_archive(art, workdir / "dest")
+
+
+@FUZZ
+@given(odd_text | shell_paths)
+def test_a_recorded_workdir_never_runs_as_shell_code(workdir: Path, path: str) -> None:
+    """Whatever path a manifest records as its workdir, restore refuses it or writes a
+    kiln.env that only quotes it: sourced with ``sh -eu`` elsewhere, it prints and runs nothing."""
+    data = manifest_for(FILES).model_dump(mode="json") | {"workdir": {"path": path, "keyed": 1}}
+    with tempfile.TemporaryDirectory(dir=workdir) as tmp:
+        art = write_archive(
+            Path(tmp) / "w.kiln.tar.zst",
+            json.dumps(data).encode(),
+            [reg(p, d) for p, d in sorted(FILES.items())],
+        )
+        dest = Path(tmp) / "dest"
+        check_archive(art, dest)
+        if not (dest / "kiln.env").exists():
+            return
+        here = Path(tmp) / "here"
+        here.mkdir()
+        run = subprocess.run(
+            ["sh", "-eu", "-c", '. "$1"', "sh", str(dest / "kiln.env")],
+            cwd=here,
+            env={"PATH": os.environ["PATH"], "PWD": str(here)},
+            capture_output=True,
+            text=True,
+        )
+        assert run.returncode == 0 and list(here.iterdir()) == [], run.stderr
+        assert run.stderr.startswith("kiln.env: this process runs in"), run.stderr
 
 
 # --- byte-level mutations of a small valid artifact ---------------------------------------------

@@ -22,7 +22,14 @@ import pytest
 
 from kiln.artifact.archive import read_manifest, write_artifact
 from kiln.artifact.blobs import read_megacache
-from kiln.artifact.manifest import BucketStats, Bytecode, FileEntry, Manifest, ShardInfo
+from kiln.artifact.manifest import (
+    BucketStats,
+    Bytecode,
+    FileEntry,
+    Manifest,
+    ShardInfo,
+    Workdir,
+)
 from kiln.artifact.merge import merge
 from kiln.errors import IntegrityError, UsageError
 from kiln.grid import Shard, expand, shard_buckets
@@ -70,6 +77,7 @@ def shard_artifact(
     name: str | None = None,
     bytecode: Bytecode | None = None,
     fields: dict[str, dict[str, Any]] | None = None,
+    workdir: Workdir | None = None,
 ) -> Path:
     """Shard ``index``/``count`` of the spec as `kiln bake --shard` writes it, by hand: the
     buckets the shard owns, one FX entry per bucket, SHARED, and optional blobs; ``fields``
@@ -110,6 +118,7 @@ def shard_artifact(
         bytecode=bytecode,
         compile_kwargs={"backend": "inductor", "dynamic": False},
         shard=ShardInfo.of(count, [index]),
+        workdir=workdir,
     )
     out = tmp / f"{name or f'shard-{index}'}.kiln.tar.zst"
     write_artifact(out, manifest, root)
@@ -332,10 +341,16 @@ def test_the_driver_jit_cache_ships_whole_from_one_shard(tmp_path: Path, spec_pa
         {"cuda-cache/index": b"index 1", "cuda-cache/7/3/d687fb890292ee": b"sass 1"},
         {},
     ]
-    shards = [shard_artifact(tmp_path, spec_path, i, 3, files=caches[i]) for i in range(3)]
+    # Each shard's entries keyed by the folder it ran in (kiln.workdir): the shipped one's holds.
+    workdirs = [Workdir(path=f"/app{i}", keyed=1) for i in range(2)] + [None]
+    shards = [
+        shard_artifact(tmp_path, spec_path, i, 3, files=caches[i], workdir=workdirs[i])
+        for i in range(3)
+    ]
     merged = merge(list(reversed(shards)), tmp_path / "m.kiln.tar.zst")
     shipped = {f.path for f in merged.manifest.files if f.path.startswith("cuda-cache/")}
     assert shipped == set(caches[0])
+    assert merged.manifest.workdir == workdirs[0]
     (line,) = [w for w in merged.warnings if "cuda-cache/" in w]
     assert line.startswith("cuda-cache/ of shard-1.kiln.tar.zst left out")
     assert line in merged.manifest.warnings

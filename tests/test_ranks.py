@@ -506,7 +506,9 @@ import kiln
 result = kiln.bake(sys.argv[1], sys.argv[2], prove=False, passes=1)
 fields = {"type": type(result).__name__, "rank": getattr(result, "rank", None),
           "world_size": getattr(result, "world_size", None),
-          "message": getattr(result, "message", None)}
+          "message": getattr(result, "message", None),
+          # where each rank's worker ran (kiln.workdir), as rank 0 collected them
+          "workdirs": [r.workdir for run in getattr(result, "runs", []) for r in run.results]}
 with open(f"{sys.argv[3]}.{os.environ['RANK']}.json", "w") as fh:
     json.dump(fields, fh)
 """
@@ -520,7 +522,10 @@ def test_bake_on_a_follower_rank_returns_what_it_did_not_none(tmp_path: Path) ->
 
     spec = tmp_path / "tp.yaml"
     text = (ROOT / "configs" / "tp-mlp-cpu.yaml").read_text().replace("[1, 4, 16]", "[4]")
-    spec.write_text(text.replace("../examples/", f"{ROOT}/examples/"))
+    app = tmp_path / "app"  # every rank's worker runs there, the followers' too
+    app.mkdir()
+    text = text.replace("../examples/", f"{ROOT}/examples/") + f"serve: {{workdir: {app}}}\n"
+    spec.write_text(text)
     script = tmp_path / "follower.py"
     script.write_text(FOLLOWER)
     out, report = tmp_path / "tp.kiln.tar.zst", tmp_path / "result"
@@ -529,11 +534,13 @@ def test_bake_on_a_follower_rank_returns_what_it_did_not_none(tmp_path: Path) ->
     assert proc.returncode == 0, proc.stderr[-3000:]
     lead, follower = (json.loads(Path(f"{report}.{r}.json").read_text()) for r in (0, 1))
     assert lead["type"] == "BakeResult" and out.is_file()
+    assert lead["workdirs"] == [str(app), str(app)]
     assert follower == {
         "type": "FollowerResult",
         "rank": 1,
         "world_size": 2,
         "message": "rank 1: baked; rank 0 writes the artifact",
+        "workdirs": [],
     }
 
 

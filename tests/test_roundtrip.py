@@ -167,7 +167,7 @@ def test_explain_tells_a_key_miss_from_kernel_rebuilds() -> None:
         "driver cache lacks)"
     )
     # ... and where the served process ran elsewhere than the bake (kiln.workdir), that too.
-    assert explain(jitted, "process.workdir").endswith(
+    assert explain(jitted, driver_factors="process.workdir").endswith(
         "lacks (environment differs: process.workdir))"
     )
     missed = BucketStats(

@@ -119,6 +119,11 @@ def test_a_workdir_the_bake_machine_lacks_is_a_located_error(tmp_path: Path, cli
     run = cli("bake", spec, "-o", tmp_path / "a.kiln.tar.zst")
     assert run.returncode == 2
     assert f"{spec}:9:9: serve.workdir: must be an absolute path" in run.stderr
+    # As a shell names a folder, or the server's $PWD never matches it.
+    spec.write_text(spec.read_text().replace("workdir: app", "workdir: /srv/../app/"))
+    run = cli("bake", spec, "-o", tmp_path / "a.kiln.tar.zst")
+    assert run.returncode == 2
+    assert f"{spec}:9:9: serve.workdir: must be written as a shell names it (/app)" in run.stderr
 
 
 def keyed_artifact(path: Path, workdir: str) -> Path:
@@ -141,6 +146,8 @@ def test_kiln_env_and_check_name_a_server_in_another_folder(tmp_path: Path, cli)
     artifact = keyed_artifact(tmp_path / "a.kiln.tar.zst", str(app))
     dest = tmp_path / "dest"
     assert cli("restore", artifact, "--dest", dest, no_torch=True).returncode == 0
+    shown = cli("inspect", artifact, no_torch=True)
+    assert f"serve in {app}: 1 CUDA driver entry keyed by the folder" in shown.stdout
     said = {}
     for where in (app, other):
         run = subprocess.run(
@@ -167,3 +174,70 @@ def test_kiln_env_and_check_name_a_server_in_another_folder(tmp_path: Path, cli)
         checked[where.name] = run.returncode, factor["matches"], factor["here"]
     assert checked["app"][1:] == (True, str(app))
     assert checked["other"] == (5, False, str(other))
+
+
+def test_verify_blames_the_folder_for_the_driver_jit_only() -> None:
+    """The working directory keys no graph: a graph miss beside a differing folder is not put
+    down to it (its own cause is named), a driver JIT is."""
+    from kiln.artifact.manifest import BucketStats
+    from kiln.compiler.check import CheckReport
+    from kiln.compiler.verify import VerifyReport
+    from kiln.workdir import workdir_factor
+
+    base = {"first_call_s": 1, "compile_s": 0, "steady_s": 0.001}
+    graph = BucketStats(key="batch=1", sizes={"batch": 1}, fx_misses=1, **base)
+    jit = BucketStats(
+        key="batch=2",
+        sizes={"batch": 2},
+        written=2,
+        new_files=["DIR/cuda-cache/4/4/4aa7b38c", "DIR/cuda-cache/index"],
+        **base,
+    )
+    factor = workdir_factor("/app", "/srv")
+    assert factor is not None and factor.causes_miss
+    report = VerifyReport(
+        name="m",
+        order=["batch=1", "batch=2"],
+        buckets=[graph, jit],
+        check=CheckReport("m", [factor], {}, {}),
+        time_to_ready_s=1.0,
+        time_to_warm_s=1.0,
+        spec_matches=True,
+    )
+    graph_line, jit_line = report.reasons()
+    assert "process.workdir" not in graph_line and "no cached entry matched" in graph_line
+    assert jit_line.endswith("driver cache lacks (environment differs: process.workdir))")
+
+
+def test_a_removed_working_directory_is_unknown_not_a_crash(tmp_path: Path) -> None:
+    gone = tmp_path / "gone"
+    gone.mkdir()
+    code = (
+        "import os; os.chdir(os.environ['GONE']); os.rmdir(os.environ['GONE']); "
+        "from kiln.workdir import logical_cwd; print(logical_cwd())"
+    )
+    env = {**os.environ, "GONE": str(gone), "PWD": str(gone)}
+    run = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True)
+    assert run.returncode == 0 and run.stdout.strip() == "None", run.stderr
+
+
+def test_the_bake_records_the_folder_its_shipped_entries_carry(tmp_path: Path) -> None:
+    """Driver entries (a rank's too) that hold the folder are counted; the driver's index and
+    files outside a driver cache are not, whatever they hold."""
+    from kiln.compiler.bake import keyed_workdir
+
+    app = "/srv/app"
+    files = {
+        "cuda-cache/4/4/a": entry(app),
+        "ranks/1/cuda-cache/f/c/b": entry(app),
+        "cuda-cache/a/2/c": b".nopCudnnHardwareDetection",
+        "cuda-cache/index": entry(app),
+        "inductor/x/y.py": entry(app),
+    }
+    entries = []
+    for path, data in files.items():
+        (tmp_path / path).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / path).write_bytes(data)
+        entries.append(FileEntry(path=path, size=len(data), sha256="0" * 64, kind="other"))
+    assert keyed_workdir(tmp_path, entries, Path(app)) == Workdir(path=app, keyed=2)
+    assert keyed_workdir(tmp_path, entries, Path("/elsewhere")) is None

@@ -41,19 +41,25 @@ def workdir_problem(path: str) -> str | None:
         return "must be an absolute path"
     if len(path) > MAX_WORKDIR_LENGTH or not path.isprintable():
         return f"must be at most {MAX_WORKDIR_LENGTH} printable characters"
+    if os.path.normpath(path) != path:  # `..`, `.`, `//` or a trailing `/`: not a shell's $PWD
+        return f"must be written as a shell names it ({os.path.normpath(path)})"
     return None
 
 
-def logical_cwd(environ: Mapping[str, str] | None = None) -> str:
+def logical_cwd(environ: Mapping[str, str] | None = None) -> str | None:
     """This process's working directory as NVRTC names it (glibc's ``get_current_dir_name``):
-    ``$PWD`` when it is absolute and names the working directory, else the resolved path."""
+    ``$PWD`` when it is absolute and names the working directory, else the resolved path;
+    None when it has been removed."""
     environ = os.environ if environ is None else environ
     pwd = environ.get("PWD", "")
     if pwd.startswith("/"):
         with contextlib.suppress(OSError):
             if Path(pwd).samefile("."):
                 return pwd
-    return str(Path.cwd())
+    try:
+        return str(Path.cwd())
+    except OSError:
+        return None
 
 
 def process_env(workdir: Path) -> dict[str, str]:
@@ -62,12 +68,13 @@ def process_env(workdir: Path) -> dict[str, str]:
     return {"PWD": str(workdir)}
 
 
-def served_in(folder: str | None) -> Path | None:
-    """Where verify, bench and the bake's proof serve: ``folder`` (the one the shipped driver
-    entries are keyed by, else the spec's ``serve.workdir``) where it exists here, so that they
-    prove what a server started there does; else None, their own folder, and the served
-    process's check names the difference."""
-    return Path(folder) if folder is not None and Path(folder).is_dir() else None
+def served_in(declared: str | None) -> Path | None:
+    """Where verify, bench and the bake's proof serve: the spec's ``serve.workdir`` where it
+    exists here, so that they prove what a server started there does; else None, their own
+    folder, and the served process's check names a difference from the manifest's. Never the
+    manifest's own: an artifact is untrusted input, and ``python -m`` imports from the folder
+    it starts in first."""
+    return Path(declared) if declared is not None and Path(declared).is_dir() else None
 
 
 def keyed_entries(files: Iterable[Path], workdir: str) -> int:

@@ -103,9 +103,9 @@ def changes(
 def kiln_env(dest: Path, manifest: Manifest) -> str:
     """The ``kiln.env`` restore writes for ``manifest`` installed at ``dest``; what
     :func:`env_drift` compares the folder's with, so both come from here."""
-    keyed = manifest.workdir.path if manifest.workdir else None
+    keyed_by = manifest.workdir.path if manifest.workdir else None
     return env_file_text(
-        Path(dest).absolute(), manifest.name, manifest.env, manifest.rank_world, keyed
+        Path(dest).absolute(), manifest.name, manifest.env, manifest.rank_world, keyed_by
     )
 
 

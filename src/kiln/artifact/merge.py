@@ -403,6 +403,15 @@ def _driver_cache(path: str) -> str | None:
     return None
 
 
+def _workdir(inputs: list[_Input]) -> dict[str, Any] | None:
+    """The folder the shipped driver entries are keyed by (kiln.workdir): that of the shard
+    whose driver cache ships (:func:`_files`: the first that has one)."""
+    for item in inputs:
+        if any(_driver_cache(e.path) for e in item.manifest.entries()):
+            return item.manifest.workdir.model_dump() if item.manifest.workdir else None
+    return None
+
+
 def _left_out_lines(left_out: dict[str, list[str]]) -> list[str]:
     """One warning per driver cache folder that only one shard's copy of could ship."""
     return [
@@ -681,6 +690,7 @@ def _manifest(
         "precompiled": precompiled,
         "bytecode": _bytecode(inputs, entries),
         "aoti": _aoti(inputs, grid),
+        "workdir": _workdir(inputs),
         "payload_sha256": None,  # below: over every file restore installs, copies included
         "compile_kwargs": first.compile_kwargs,
         "warnings": warnings,

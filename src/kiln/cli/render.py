@@ -268,6 +268,13 @@ def manifest_view(console: Console, m: Manifest, digest: str | None = None) -> N
                 "from when the serving image has none cached"
             )
         )
+    if m.workdir:
+        keyed = count(m.workdir.keyed, "CUDA driver entry", "CUDA driver entries")
+        console.print(
+            plain(
+                f"serve in {m.workdir.path}: {keyed} keyed by the folder they were JIT-compiled in"
+            )
+        )
     print_table(console, fingerprint_table(m.fingerprint, "baked on"))
     shard = f" (shard {m.shard.label})" if m.shard is not None else ""
     print_table(console, bucket_table(m.grid, f"grid: {count(len(m.grid), 'bucket')}{shard}"))

@@ -184,11 +184,13 @@ def activate(
 ) -> Activation:
     """Make this process use the caches restored at ``cache``. Call before the first compile.
 
-    ``compat``: what to do when a factor in torch's cache keys differs — "fail" raises
-    :class:`~kiln.errors.IncompatibleError`, "warn" emits a :class:`CompatWarning`, "ignore"
-    does neither. For a K-rank artifact, ``rank`` (default: ``RANK``, else ``LOCAL_RANK``, as
-    torchrun sets them) picks the rank's caches; none set, or one outside the artifact's ranks,
-    is a :class:`~kiln.errors.UsageError`. ``device_index`` defaults to the baked one.
+    ``compat``: what to do when a factor in torch's cache keys differs, or this process runs
+    elsewhere than the folder the shipped CUDA driver entries are keyed by (kiln.workdir) —
+    "fail" raises :class:`~kiln.errors.IncompatibleError`, "warn" emits a
+    :class:`CompatWarning`, "ignore" does neither. For a K-rank artifact, ``rank`` (default:
+    ``RANK``, else ``LOCAL_RANK``, as torchrun sets them) picks the rank's caches; none set, or
+    one outside the artifact's ranks, is a :class:`~kiln.errors.UsageError`. ``device_index``
+    defaults to the baked one.
     """
     cache = Path(cache).absolute()
     notes: list[str] = []

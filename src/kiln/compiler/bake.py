@@ -32,7 +32,7 @@ import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
-from pathlib import Path, PurePosixPath
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from kiln import bytecode
@@ -62,6 +62,7 @@ from kiln.compiler.capture import capture, capture_aoti, capture_bytecode
 from kiln.compiler.dynamo_log import merge_breaks
 from kiln.compiler.launch import WorkerRun, run_worker
 from kiln.compiler.protocol import AotiBuild, WorkerRequest, input_stream
+from kiln.compiler.writes import driver_entry
 from kiln.errors import Param, UsageError, VerificationError, Worded
 from kiln.events import (
     Capturing,
@@ -76,7 +77,7 @@ from kiln.events import (
     ignore,
 )
 from kiln.grid import Bucket, Shard, expand, ordered, rotations, shard_grid
-from kiln.layout import CUDA_CACHE_INDEX, CacheLayout
+from kiln.layout import CacheLayout
 from kiln.serving import (
     DEFAULT_ON_MISS,
     SERVING_ENV,
@@ -211,7 +212,10 @@ def _bake_workdir(spec: Spec) -> Path:
     the spec names and which must exist here, else the folder this bake runs in."""
     declared = spec.serve.workdir
     if declared is None:
-        return Path(logical_cwd())
+        here = logical_cwd()
+        if here is None:
+            raise UsageError("the working directory was removed: bake from an existing folder")
+        return Path(here)
     if not Path(declared).is_dir():
         raise error_at(
             spec,
@@ -220,6 +224,14 @@ def _bake_workdir(spec: Spec) -> Path:
             "the server will (create it, or bake where it exists)",
         )
     return Path(declared)
+
+
+def keyed_workdir(work: Path, files: list[FileEntry], workdir: Path) -> Workdir | None:
+    """``workdir``, when driver JIT entries of ``files`` (under ``work``, a rank's included)
+    carry it (kiln.workdir)."""
+    entries = [work / f.path for f in files if driver_entry(f.path)]
+    keyed = keyed_entries(entries, str(workdir))
+    return Workdir(path=str(workdir), keyed=keyed) if keyed else None
 
 
 def _baked_buckets(spec: Spec, sliced: Shard | None) -> list[Bucket]:
@@ -487,23 +499,13 @@ class _Baker:
             proof,
             self.later.torch_kwargs,
             self._bytecode,
-            self._keyed_workdir(files),
+            keyed_workdir(self.work, files, self.workdir),
         )
         if stored is not None:
             manifest = _with_ranks(self.spec, manifest, runs, stored)
         if self.shard is not None:
             manifest.shard = ShardInfo.of(self.shard.count, [self.shard.index])
         return manifest
-
-    def _keyed_workdir(self, files: list[FileEntry]) -> Workdir | None:
-        """The bake's working directory, when driver JIT entries it ships carry it."""
-        entries = [
-            self.work / f.path
-            for f in files
-            if f.kind == "driver" and PurePosixPath(f.path).name != CUDA_CACHE_INDEX
-        ]
-        keyed = keyed_entries(entries, str(self.workdir))
-        return Workdir(path=str(self.workdir), keyed=keyed) if keyed else None
 
     def _write_bytecode(self) -> Bytecode | None:
         """The bytecode of the library modules a server imports, compiled into the work

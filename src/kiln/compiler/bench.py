@@ -225,7 +225,12 @@ def bench(
         raise UsageError(Worded(Param("repeat"), " must be at least 1"))
     spec = spec if isinstance(spec, Spec) else load_spec(spec)
     emit = on_event or ignore
-    work = Path(workdir) if workdir else Path(tempfile.mkdtemp(prefix=f"kiln-bench-{spec.name}-"))
+    # absolute: the served processes may run in the spec's serve.workdir (kiln.workdir)
+    work = (
+        Path(workdir).absolute()
+        if workdir
+        else Path(tempfile.mkdtemp(prefix=f"kiln-bench-{spec.name}-"))
+    )
     work.mkdir(parents=True, exist_ok=True)
     aoti_spec = with_route(spec, "aoti") if "aoti" in chosen else None
     spec = with_route(spec, "compile")
@@ -368,7 +373,12 @@ def reusable_bake(spec: Spec, work: Path, files: _BakeFiles = _COMPILE_BAKE) -> 
         return "the artifact changed"
     from kiln.compiler.check import check
 
-    report = check(artifact, rank=0 if spec.distributed else None)
+    served = served_in(spec.serve.workdir)  # where bench serves, judged as such
+    report = check(
+        artifact,
+        rank=0 if spec.distributed else None,
+        workdir=str(served) if served else None,
+    )
     if not report.ok:
         return report.miss_message()
     first = saved["first_pass"]

@@ -87,8 +87,8 @@ def compare_manifest(
         baked = manifest.distributed.ranks[rank].fingerprint
     route = "aoti" if manifest.aoti is not None else "compile"
     factors = compare(baked, here, route) + rank_factors(manifest, rank, world_size)
-    keyed = manifest.workdir.path if manifest.workdir else None
-    if workdir is not None and (where := workdir_factor(keyed, workdir)) is not None:
+    keyed_by = manifest.workdir.path if manifest.workdir else None
+    if workdir is not None and (where := workdir_factor(keyed_by, workdir)) is not None:
         factors.append(where)
     if manifest.precompiled_frames is not None:
         factors = [_frames_python(f) if f.name == "python" else f for f in factors]
@@ -160,8 +160,10 @@ def check(
     keys: bool = True,
     rank: int | None = None,
     world_size: int | None = None,
+    workdir: str | None = None,
 ) -> CheckReport:
     """Compare the artifact (file) or restored folder at ``target`` with this process.
+    ``workdir``: the folder the server runs in (default: this process's, kiln.workdir).
 
     ``device_index`` is the CUDA index this process will serve on (default: the baked one, 0;
     for a K-rank artifact the rank's baked one). ``rank``/``world_size``: what this process
@@ -189,7 +191,7 @@ def check(
             with probe_inductor_dir():  # the ISA probes compile there, not into DIR or $TMPDIR
                 here = fingerprint(device, device_index=index, keys=keys and "torch.key" in baked)
     report = compare_manifest(
-        manifest, here, rank=rank, world_size=world_size, workdir=logical_cwd()
+        manifest, here, rank=rank, world_size=world_size, workdir=workdir or logical_cwd()
     )
     if where is not None:
         report.factors.append(where)

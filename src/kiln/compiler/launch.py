@@ -105,16 +105,17 @@ def run_worker(
             f"{spec.name}: run kiln once, outside torchrun: it starts the "
             f"{world} ranks itself (this process is rank {os.environ['RANK']} of a launch)"
         )
+    env = env | (process_env(cwd) if cwd else {})
     requests = ranks.rank_requests(request, env, world) if world else [request]
     if session is not None:  # rank 0 of a user's launch: every rank runs its own worker
         spawned, returncode, log, outcomes = user_launch.issue(
-            session, requests, env, on_event, heartbeat_s, timeout
+            session, requests, env, on_event, heartbeat_s, timeout, cwd
         )
         ended = time.time()
     else:
         spawned, ended, returncode, log, outcomes = _run_here(
             requests,
-            env | (process_env(cwd) if cwd else {}),
+            env,
             world,
             on_event,
             heartbeat_s,

@@ -54,6 +54,7 @@ from kiln.padding import OffGridError, shape_key
 from kiln.serving import ON_MISS, OnMiss, cache_env, worker_env
 from kiln.spec import Spec, load_spec
 from kiln.traffic import read_traffic
+from kiln.workdir import process_env, served_in
 
 MAX_REPLAY = 100_000  # requests one replay serves (counts expanded)
 NEW_FILES_SHOWN = 100  # files written while serving, listed in the JSON report
@@ -286,7 +287,11 @@ def _run(
             str(folder / "request.json"),
             str(folder / "outcome.json"),
         ]
-        _, code = spawn(folder, command, worker_env(env), on_event, heartbeat_interval(), None)
+        cwd = served_in(spec.serve.workdir)  # where the server runs (kiln.workdir)
+        env = env | (process_env(cwd) if cwd else {})
+        _, code = spawn(
+            folder, command, worker_env(env), on_event, heartbeat_interval(), None, cwd=cwd
+        )
         log = (folder / "stderr.log").read_text(errors="replace")
         path = folder / "outcome.json"
         if not path.exists():
@@ -313,7 +318,12 @@ def bench_traffic(
 
     spec = spec if isinstance(spec, Spec) else load_spec(spec)
     read_traffic(traffic, tuple(spec.buckets))  # a bad log is exit 2 before a bake
-    work = Path(workdir) if workdir else Path(tempfile.mkdtemp(prefix=f"kiln-bench-{spec.name}-"))
+    # absolute: the served processes may run in the spec's serve.workdir
+    work = (
+        Path(workdir).absolute()
+        if workdir
+        else Path(tempfile.mkdtemp(prefix=f"kiln-bench-{spec.name}-"))
+    )
     work.mkdir(parents=True, exist_ok=True)
     try:
         baked = bake(spec, work / "bench.kiln.tar.zst", on_event=on_event)

@@ -44,6 +44,7 @@ from kiln.spec import Spec
 MARKER = "launch.ready"  # rank 0 owns the work folder now; holds the launch's identity
 END = "launch.end"  # rank 0 is done: "ok" or "failed"
 COMMANDS = "launch"  # launch/N/: one worker pass of every rank
+CWD = "cwd"  # launch/N/cwd: the folder every rank's worker runs in (kiln.workdir), when set
 TIMEOUT_VAR = "KILN_LAUNCH_TIMEOUT_S"
 TIMEOUT_S = 600.0  # how long a rank waits for another before it gives up
 PREFIX_VAR = "KILN_LAUNCH_PREFIX"  # the store prefix of one command's process group
@@ -214,9 +215,11 @@ def issue(
     on_event: EventSink | None,
     heartbeat_s: float | None,
     timeout: float | None,
+    cwd: Path | None = None,
 ) -> tuple[float, int, str, list[WorkerOutcome | None]]:
     """One worker pass of every rank: rank 0's here, the others' by the followers; (start epoch,
-    rank 0's exit code, every rank's log, every rank's outcome or None)."""
+    rank 0's exit code, every rank's log, every rank's outcome or None). ``cwd``: the folder
+    every rank's worker runs in (kiln.workdir), written beside the command for the followers."""
     number = session.issued
     session.issued += 1
     folder = session.work / COMMANDS / str(number)
@@ -225,6 +228,8 @@ def issue(
         (folder / f"request{i}.json").write_text(req.model_dump_json())
     command_env = session.command_env(env, number)
     _write(folder / "env.json", json.dumps(command_env))
+    if cwd is not None:
+        _write(folder / CWD, str(cwd))
     _write(folder / "go", session.ident)
     me = session.rank
     args = [str(own_request(folder, me)), str(folder / f"outcome{me.rank}.json")]
@@ -232,7 +237,7 @@ def issue(
     log_dir = folder / "rank0"
     log_dir.mkdir()
     spawned, returncode = spawn(
-        log_dir, worker_command(args), child_env, on_event, heartbeat_s, timeout
+        log_dir, worker_command(args), child_env, on_event, heartbeat_s, timeout, cwd=cwd
     )
     world = me.world_size
     for r in range(1, world):
@@ -280,7 +285,16 @@ def _run_command(folder: Path, rank: ranks.Rank, work: Path) -> bool:
         env = json.loads((folder / "env.json").read_text())
         args = [str(own_request(folder, rank)), str(folder / f"outcome{rank.rank}.json")]
         watch = until_ended(work)
-        spawn(mine, worker_command(args), worker_environment(env, rank), watch, _WATCH_S, None)
+        cwd = Path((folder / CWD).read_text()) if (folder / CWD).exists() else None
+        spawn(
+            mine,
+            worker_command(args),
+            worker_environment(env, rank),
+            watch,
+            _WATCH_S,
+            None,
+            cwd=cwd,
+        )
         return True
     except (FileNotFoundError, RankZeroEnded):  # rank 0 ended (the folder may be gone)
         return False

@@ -40,6 +40,7 @@ from kiln.grid import expand, off_grid, ordered
 from kiln.layout import CUDA_CACHE_DIR, INDUCTOR_DIR, CacheLayout
 from kiln.serving import cache_env, served_torch_kwargs
 from kiln.spec import Spec, differing_keys, load_spec
+from kiln.workdir import FACTOR as WORKDIR_FACTOR
 from kiln.workdir import served_in
 
 _VERIFY_STREAMS = 100  # input streams below this are the bake's passes
@@ -87,10 +88,14 @@ class VerifyReport:
         return not self.failing and not self.folder_changes
 
     def reasons(self) -> list[str]:
-        factors = ", ".join(f.name for f in self.check.misses) if self.check else ""
+        misses = [f.name for f in self.check.misses] if self.check else []
+        # The working directory keys no graph (kiln.workdir): only the driver's JIT cache.
+        graphs = ", ".join(name for name in misses if name != WORKDIR_FACTOR)
         changed = [changed_line(self.folder_changes)] if self.folder_changes else []
         return changed + [
-            explain(b, factors, self.graph_breaks, off_grid(b.sizes, self.baked_grid))
+            explain(
+                b, graphs, self.graph_breaks, off_grid(b.sizes, self.baked_grid), ", ".join(misses)
+            )
             for b in self.failing
         ]
 
@@ -118,6 +123,7 @@ def explain(
     factors: str = "",
     breaks: Sequence[GraphBreak] = (),
     outside: str | None = None,
+    driver_factors: str = "",
 ) -> str:
     """One line on what compiled in ``bucket`` and the most specific cause we know.
 
@@ -126,7 +132,8 @@ def explain(
     shape guard quoted there would send the reader the wrong way), else torch's recompile
     reason. Kernels rebuilt while every graph hit are a different problem again — Triton
     re-tuning or rebuilding. ``outside`` (:func:`kiln.grid.off_grid`) says the bucket was never
-    baked: that is the cause, whatever guard torch quotes.
+    baked: that is the cause, whatever guard torch quotes. ``driver_factors``: the factors that
+    differ for the CUDA driver's JIT cache (``factors`` and the working directory).
     """
     b = bucket
     graphs = b.fx_misses + b.fx_bypass + b.aot_misses + b.precompile_misses
@@ -160,7 +167,7 @@ def explain(
         names = sorted({PurePosixPath(n).name for n in others})[:3]
         what_ran = [", ".join(names)] if names else []
         if jit:
-            differs = f" (environment differs: {factors})" if factors else ""
+            differs = f" (environment differs: {driver_factors})" if driver_factors else ""
             what_ran.insert(
                 0,
                 f"the CUDA driver JIT-compiled {jit} kernel(s) into {CUDA_CACHE_DIR}/ that the "
@@ -421,8 +428,8 @@ def serve_copy(
 ) -> WorkerRun:
     """One fresh process serving ``order`` on ``route`` from a private copy of ``cache``,
     with an empty ``HOME`` and ``TMPDIR``: what it writes anywhere there is counted, and the
-    restored folder stays as found. It runs where the server runs, as far as that is known and
-    exists here (:func:`kiln.workdir.served_in`)."""
+    restored folder stays as found. It runs where the spec says the server runs
+    (:func:`kiln.workdir.served_in`)."""
     with tempfile.TemporaryDirectory(prefix="kiln-serve-") as tmp:
         served, home, temp = Path(tmp, "dest"), Path(tmp, "home"), Path(tmp, "tmp")
         shutil.copytree(cache, served, symlinks=True)
@@ -437,10 +444,8 @@ def serve_copy(
             # Data the bake never drew, as traffic's is: a path the bake's inputs missed shows.
             input_seed=input_stream(_VERIFY_STREAMS + seed),
         )
-        # Where the server runs: the folder the shipped driver entries are keyed by, or the
-        # one the spec names.
-        where = manifest.workdir.path if manifest.workdir else spec.serve.workdir
-        return run_worker(spec, request, env, on_event=on_event, cwd=served_in(where))
+        cwd = served_in(spec.serve.workdir)
+        return run_worker(spec, request, env, on_event=on_event, cwd=cwd)
 
 
 def first_process(

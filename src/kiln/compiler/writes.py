@@ -38,15 +38,18 @@ def in_driver_cache(name: str) -> bool:
     return CUDA_CACHE_DIR in PurePosixPath(name).parts[:-1]
 
 
+def driver_entry(name: str) -> bool:
+    """Whether ``name`` is one of the CUDA driver's JIT cache entries (its ``index`` aside)."""
+    return in_driver_cache(name) and PurePosixPath(name).name != CUDA_CACHE_INDEX
+
+
 def driver_jit(written: Sequence[str]) -> int:
-    """How many of ``written`` are the CUDA driver's JIT cache entries (its ``index`` aside):
-    PTX the driver compiled for this GPU because the shipped cache had no binary for it.
-    cuDNN's runtime-compiled kernels (attention, fused convolutions) are the usual ones, and
-    which ones cuDNN builds can differ between processes (docs/benchmarks.md), so the line
-    names the driver rather than a file hash a reader cannot place."""
-    return sum(
-        1 for n in written if in_driver_cache(n) and PurePosixPath(n).name != CUDA_CACHE_INDEX
-    )
+    """How many of ``written`` are the CUDA driver's JIT cache entries: PTX the driver compiled
+    for this GPU because the shipped cache had no binary for it. cuDNN's runtime-compiled
+    kernels (attention, fused convolutions) are the usual ones, keyed by the working directory
+    too (kiln.workdir), so the line names the driver rather than a file hash a reader cannot
+    place."""
+    return sum(1 for n in written if driver_entry(n))
 
 
 def kind_of(name: str) -> str:
