@@ -45,7 +45,8 @@ if [ "$what" = aoti ]; then  # issue 26: AOTInductor packages built, served and 
   timeout "$BUDGET_S" python3 -m pytest -q -m gpu -p no:cacheprovider -s -rA \
     tests/test_aoti_gpu.py "$@" > "$OUT/aoti-tests.log" 2>&1
   rc=$?
-  grep -E "aoti serve|artifact bytes|passed|failed|Error|Fatal|Segmentation" "$OUT/aoti-tests.log" | tail -20
+  grep -E "aoti serve|artifact bytes|keyed by the workdir|another folder|passed|failed|Error|Fatal|Segmentation" \
+    "$OUT/aoti-tests.log" | tail -20
   exit $rc
 fi
 if [ "$what" = bake ]; then
@@ -68,7 +69,7 @@ if [ "$what" = bake ]; then
     python3 -m kiln inspect "$a" --json | python3 -c 'import json, sys; m = json.load(sys.stdin)
 m = m.get("manifest", m); p = m.get("proof") or {}
 print(m["name"], "passes", [x["compiles"] for x in m.get("passes", [])], "proof", p.get("compiles"),
-      "bytes", sys.argv[1])' "$(stat -c %s "$a")"
+      "bytes", sys.argv[1], "workdir", m.get("workdir"))' "$(stat -c %s "$a")"
     # A file comes back from the device machine only up to 16 MiB: larger artifacts (one with
     # the torch bytecode is ~27 MiB) in parts, joined here with `cat SPEC.kiln.tar.zst.* > ...`.
     if [ "$(stat -c %s "$a")" -gt $((15 * 1024 * 1024)) ]; then
