@@ -18,7 +18,7 @@ import kiln
 from kiln.artifact.manifest import FileEntry, Workdir
 from kiln.workdir import keyed_entries
 from tests.archives import manifest_for, reg, write_archive
-from tests.conftest import Cli
+from tests.conftest import ROOT, Cli
 
 # What an H100's cuDNN attention kernel entry holds (bytes trimmed): its source's name, then
 # the working directory it was JIT-compiled in.
@@ -207,6 +207,19 @@ def test_verify_blames_the_folder_for_the_driver_jit_only() -> None:
     graph_line, jit_line = report.reasons()
     assert "process.workdir" not in graph_line and "no cached entry matched" in graph_line
     assert jit_line.endswith("driver cache lacks (environment differs: process.workdir))")
+    # Verify on a machine without the spec's serve.workdir served in its own folder: said first.
+    from kiln.compiler.verify import _unserved_workdir
+    from kiln.spec import ServeSpec, load_spec
+
+    spec = load_spec(ROOT / "configs" / "tiny-gpt.yaml")
+    missing = spec.model_copy(update={"serve": ServeSpec(workdir="/nonexistent/app")})
+    report.extra["unserved_workdir"] = _unserved_workdir(missing)
+    assert report.reasons()[0] == (
+        "serve.workdir /nonexistent/app is no folder on this machine: verify served in "
+        f"{Path.cwd()}"
+    )
+    here = spec.model_copy(update={"serve": ServeSpec(workdir=str(Path.cwd()))})
+    assert _unserved_workdir(here) is None and _unserved_workdir(spec) is None
 
 
 def test_a_removed_working_directory_is_unknown_not_a_crash(tmp_path: Path) -> None:

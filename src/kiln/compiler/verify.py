@@ -41,7 +41,7 @@ from kiln.layout import CUDA_CACHE_DIR, INDUCTOR_DIR, CacheLayout
 from kiln.serving import cache_env, served_torch_kwargs
 from kiln.spec import Spec, differing_keys, load_spec
 from kiln.workdir import FACTOR as WORKDIR_FACTOR
-from kiln.workdir import served_in
+from kiln.workdir import logical_cwd, served_in
 
 _VERIFY_STREAMS = 100  # input streams below this are the bake's passes
 # The routes a server takes to a restored folder: plain torch.compile after `. kiln.env`, and
@@ -92,6 +92,8 @@ class VerifyReport:
         # The working directory keys no graph (kiln.workdir): only the driver's JIT cache.
         graphs = ", ".join(name for name in misses if name != WORKDIR_FACTOR)
         changed = [changed_line(self.folder_changes)] if self.folder_changes else []
+        if self.failing and self.extra.get("unserved_workdir"):
+            changed.append(self.extra["unserved_workdir"])
         return changed + [
             explain(
                 b, graphs, self.graph_breaks, off_grid(b.sizes, self.baked_grid), ", ".join(misses)
@@ -328,6 +330,7 @@ def verify(
             "bytecode_modules": lead.result.bytecode_modules,  # imported from the artifact's
             "route": "aoti" if manifest.aoti is not None else "compile",
             "compiler_modules": lead.result.compiler_modules,  # Dynamo/Inductor, if imported
+            "unserved_workdir": _unserved_workdir(spec),
         },
         routes=list(routes),
         folder_changes=changes,
@@ -335,6 +338,16 @@ def verify(
     if ready_file is not None:
         _mark_ready(Path(ready_file), report)
     return report
+
+
+def _unserved_workdir(spec: Spec) -> str | None:
+    """A line when the spec's ``serve.workdir`` is no folder here, so verify served elsewhere:
+    a driver entry keyed by it then shows as compiled (kiln.workdir)."""
+    declared = spec.serve.workdir
+    if declared is None or served_in(declared) is not None:
+        return None
+    here = logical_cwd() or "a removed folder"
+    return f"serve.workdir {declared} is no folder on this machine: verify served in {here}"
 
 
 def _restored(cache: Path) -> Path:
