@@ -26,6 +26,7 @@ TRITON_HOME_DIR = "triton-home"
 # convolution, eager or compiled alike; none with cuDNN off). The bake's entries go into the
 # artifact, so a served process loads them instead of JIT-compiling in every new pod; a process
 # that hits the cache rewrites nothing in it (measured: every file byte-for-byte the same).
+# cuDNN's runtime-compiled kernels are keyed by the working directory too (kiln.workdir).
 CUDA_CACHE_DIR = "cuda-cache"
 CUDA_CACHE_INDEX = "index"  # the driver's index of its entries, rewritten as it adds one
 # Inductor takes a file lock under CACHE/locks for every C++ kernel it loads, hit or not; restore
