@@ -35,7 +35,6 @@ from kiln.errors import UsageError
 from kiln.events import EventSink
 from kiln.serving import worker_env
 from kiln.spec import Spec
-from kiln.workdir import process_env
 
 
 @dataclass(frozen=True)
@@ -105,7 +104,6 @@ def run_worker(
             f"{spec.name}: run kiln once, outside torchrun: it starts the "
             f"{world} ranks itself (this process is rank {os.environ['RANK']} of a launch)"
         )
-    env = env | (process_env(cwd) if cwd else {})
     requests = ranks.rank_requests(request, env, world) if world else [request]
     if session is not None:  # rank 0 of a user's launch: every rank runs its own worker
         spawned, returncode, log, outcomes = user_launch.issue(

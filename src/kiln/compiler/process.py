@@ -38,6 +38,7 @@ from kiln.events import (
     ignore,
 )
 from kiln.spec import Spec, error_at
+from kiln.workdir import process_env
 
 HEARTBEAT_ENV = "KILN_HEARTBEAT_S"
 HEARTBEAT_S = 15.0  # default: often enough for a CI log, rare enough not to drown it
@@ -102,7 +103,9 @@ def spawn(
 ) -> tuple[float, int]:
     """Run ``command`` (a worker, or torchrun starting K), relaying its events; (start epoch,
     exit code). ``graceful``: on interruption, SIGTERM first (torchrun forwards it to the ranks,
-    which it starts in sessions of their own), SIGKILL after :data:`STOP_GRACE_S`."""
+    which it starts in sessions of their own), SIGKILL after :data:`STOP_GRACE_S`. ``cwd``:
+    the folder it runs in, named as a shell started there names it (kiln.workdir); None: this
+    process's."""
     with open(folder / "stderr.log", "wb") as err:
         spawned = time.time()
         proc = subprocess.Popen(
@@ -110,7 +113,7 @@ def spawn(
             stdout=subprocess.PIPE,
             stderr=err,
             stdin=subprocess.DEVNULL,
-            env=env,
+            env=(env | process_env(cwd)) if cwd else env,
             cwd=cwd,
             start_new_session=True,
         )

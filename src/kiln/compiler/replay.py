@@ -54,7 +54,7 @@ from kiln.padding import OffGridError, shape_key
 from kiln.serving import ON_MISS, OnMiss, cache_env, worker_env
 from kiln.spec import Spec, load_spec
 from kiln.traffic import read_traffic
-from kiln.workdir import process_env, served_in
+from kiln.workdir import served_in
 
 MAX_REPLAY = 100_000  # requests one replay serves (counts expanded)
 NEW_FILES_SHOWN = 100  # files written while serving, listed in the JSON report
@@ -288,7 +288,6 @@ def _run(
             str(folder / "outcome.json"),
         ]
         cwd = served_in(spec.serve.workdir)  # where the server runs (kiln.workdir)
-        env = env | (process_env(cwd) if cwd else {})
         _, code = spawn(
             folder, command, worker_env(env), on_event, heartbeat_interval(), None, cwd=cwd
         )
