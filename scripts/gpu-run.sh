@@ -114,6 +114,8 @@ for f in sorted(pathlib.Path(sys.argv[1]).glob("*/first-process.jsonl")):
             print(f"{r['spec']:26} TRITON_CACHE_DIR {r['triton_cache_dir']:14} rc={r['rc']} "
                   f"work={r['work']} benchmarks={r['benchmarks']} dest={r['dest']} "
                   f"moved={len(r['moved'])}: {r['moved'][:4]}")
+        elif "bake_passes" in r:
+            print(f"{r['spec']:26} bake     passes={r['bake_passes']} workdir={r['workdir']}")
         elif "verify" in r:
             v = r["verify"]
             print(f"{r['spec']:26} verify   ok={v.get('ok')} compiles={v.get('compiles')}")

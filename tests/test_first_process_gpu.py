@@ -74,6 +74,7 @@ def baked(request, tmp_path_factory) -> tuple[Path, Path]:
         {
             "bake_passes": [p.compiles for p in result.manifest.passes],
             "proof": result.manifest.proof.model_dump() if result.manifest.proof else None,
+            "workdir": result.manifest.workdir.model_dump() if result.manifest.workdir else None,
         },
     )
     out = os.environ.get("KILN_GPU_OUT")
