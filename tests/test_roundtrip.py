@@ -11,6 +11,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 import kiln
 from kiln.artifact.manifest import BucketStats
@@ -211,6 +212,36 @@ def test_verify_names_environment_factor_on_miss(baked, tmp_path: Path, cli) -> 
     )
     assert proc.returncode == 6
     assert "inductor.max_autotune_pointwise" in json.loads(proc.stdout)["failing"][0]
+
+
+def test_torch_installed_elsewhere_is_named_for_its_cpp_kernels(baked, tmp_path: Path) -> None:
+    """A server whose torch sits at another path (another venv or image layout) hits every FX
+    graph but builds every C++ kernel again: their build command, in their key, names where
+    Python and torch are installed. check says it will miss (exit 5), verify names the factor.
+    Torch imported through a symlinked folder is that, without a second install."""
+    spec_path, result = baked
+    dest = tmp_path / "cache"
+    kiln.restore(result.artifact, dest)
+    elsewhere = tmp_path / "site"
+    elsewhere.mkdir()
+    (elsewhere / "torch").symlink_to(Path(torch.__file__).parent)
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(elsewhere), *sys.path[1:]])}
+    kiln_cli = [sys.executable, "-m", "kiln"]
+    check = subprocess.run(
+        [*kiln_cli, "check", str(dest), "--json"], env=env, capture_output=True, text=True
+    )
+    assert check.returncode == 5, check.stderr
+    assert json.loads(check.stdout)["misses"] == ["cpp.paths"]
+    assert f"{elsewhere}/torch/include" in check.stdout
+    verify = subprocess.run(
+        [*kiln_cli, "verify", str(spec_path), "--cache", str(dest), "--json", "--route", "plain"],
+        env=env,
+        capture_output=True,
+        text=True,
+    )
+    assert verify.returncode == 6, verify.stderr
+    failing = json.loads(verify.stdout)["failing"]
+    assert failing and all("(environment differs: cpp.paths)" in line for line in failing)
 
 
 def test_activate_route_hits_in_a_server_process(baked, tmp_path: Path) -> None:

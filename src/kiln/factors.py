@@ -25,6 +25,7 @@ KEY_FACTORS = (
     "gpu.capability",
     "device.index",
     "cpu.isa",
+    "cpp.paths",
     "flags.deterministic",
     "flags.matmul_precision",
     "flags.allow_tf32",
@@ -85,6 +86,8 @@ _NOTES = {
     "device.index": "the device index (cuda:N) is in the input metadata of the FX key: "
     "bake on cuda:0 and serve with one visible GPU per process",
     "cpu.isa": "C++ kernels are built for the picked vector ISA",
+    "cpp.paths": "C++ kernels are keyed by their build command, which names where Python and "
+    "torch are installed: serve from the same install paths as the bake (same image or venv)",
     "flags.deterministic": "deterministic-algorithms flag is in the FX key",
     "flags.matmul_precision": "float32 matmul precision is in the FX key",
     "flags.allow_tf32": "TF32 setting is in the FX key",

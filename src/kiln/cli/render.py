@@ -34,6 +34,7 @@ FINGERPRINT_ROWS = (
     ("driver", "gpu.driver"),
     ("device index", "device.index"),
     ("CPU ISA", "cpu.isa"),
+    ("C++ build", "cpp.paths"),
     ("CPU", "cpu.model"),
     ("python", "python"),
     ("platform", "platform"),

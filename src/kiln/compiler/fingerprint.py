@@ -107,6 +107,7 @@ def fingerprint(
         from torch._inductor.cpu_vec_isa import pick_vec_isa
 
         fp["cpu.isa"] = str(pick_vec_isa()) or "none"
+        fp["cpp.paths"] = _cpp_paths()
     fp.update(_gpu(torch, device, device_index))
     if keys:
         from torch._inductor.codecache import torch_key
@@ -126,6 +127,24 @@ def fingerprint(
     # Through JSON once, so a live fingerprint compares equal to one read from a manifest
     # (tuples become lists, odd objects their repr).
     return json.loads(json.dumps(fp, default=repr))
+
+
+def _cpp_paths() -> str | None:
+    """The compiler and the folders (``-I``, ``-L``) of the command Inductor builds C++ kernels
+    with, from torch's own builder: the command is in each kernel's key, and its folders are
+    where this Python and torch are installed. A server in another virtualenv or Python install
+    hits every FX graph yet builds every C++ kernel again (seen: a venv of the system's Python
+    beside the bake's pyenv one)."""
+    try:
+        from torch._inductor.cpp_builder import CppBuilder, CppTorchOptions
+
+        command = CppBuilder(
+            name="kiln", sources="kiln.cpp", BuildOption=CppTorchOptions(), output_dir="/"
+        ).get_command_line()
+    except Exception:  # no compiler here, or torch moved the builder: not recorded
+        return None
+    words = command.split()
+    return " ".join(words[:1] + [w for w in words if w.startswith(("-I", "-L"))])
 
 
 def _gpu(torch: Any, device: str, device_index: int) -> dict[str, Any]:

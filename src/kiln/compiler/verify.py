@@ -180,6 +180,8 @@ def explain(
         hint = "every graph hit; the process built, tuned or wrote" + (
             f": {'; '.join(what_ran)}" if what_ran else " at run time"
         )
+        if factors and not jit:  # e.g. cpp.paths: kernels keyed apart from their graphs
+            hint += f" (environment differs: {factors})"
     return f"{b.key}: {b.compiles} compile(s): {what} ({hint})"
 
 
