@@ -15,9 +15,9 @@ import torch
 
 import kiln
 from kiln.artifact.manifest import BucketStats
-from kiln.compiler.verify import ROUTES, explain
+from kiln.compiler.verify import ROUTES, explain, private_copy
 from kiln.errors import KilnError
-from kiln.serving import served_torch_kwargs, torch_kwargs
+from kiln.serving import cache_env, served_torch_kwargs, torch_kwargs
 from tests.conftest import MODELS, mlp_spec
 from tests.first_process import serve_like_a_user
 
@@ -90,6 +90,25 @@ def test_roundtrip_zero_compiles_in_any_order(baked, tmp_path: Path, cli) -> Non
     body = json.loads(proc.stdout)
     assert body["ok"] and body["compiles"] == 0
     assert json.loads(ready.read_text())["ok"]
+
+
+def test_verify_serves_a_copy_whose_kernel_locks_are_its_own(baked, tmp_path: Path) -> None:
+    """Inductor takes a lock per C++ kernel it loads, in the restored folder's link target (the
+    shared /tmp), and leaves the file there, its loader's. verify's copy (and replay's) links
+    its locks into its own temporary folder: a root verify in an image's build leaves nothing
+    that stops the image's non-root server from loading those kernels."""
+    spec_path, result = baked
+    dest = tmp_path / "cache"
+    kiln.restore(result.artifact, dest)
+    served, _, _ = private_copy(dest, result.manifest, tmp_path / "verify")
+    assert (dest / "inductor" / "locks").readlink() == Path("/tmp")  # the restored folder's
+    # Served as verify serves it: the copy's own variables (its kiln.env names the original).
+    env = cache_env(served, result.manifest.env)
+    served_as_user = serve_like_a_user(spec_path, served, tmp_path / "run", exports=env)
+    assert served_as_user.returncode == 0, served_as_user.stderr
+    kernels = {c.name.split(".")[0] for c in served.rglob("*.main.cpp")}
+    own = {lock.stem for lock in (tmp_path / "verify" / "locks").iterdir()}
+    assert kernels and kernels <= own
 
 
 def test_verify_fails_with_exit_6_on_a_cold_cache(baked, tmp_path: Path, cli) -> None:

@@ -39,7 +39,7 @@ from kiln.artifact.archive import read_manifest
 from kiln.compiler.counters import CompileCounters
 from kiln.compiler.process import WorkerError, failure_error, heartbeat_interval, log_tail, spawn
 from kiln.compiler.protocol import WorkerFailure
-from kiln.compiler.verify import check_world_size
+from kiln.compiler.verify import check_world_size, private_copy
 from kiln.compiler.writes import Snapshot, Watch
 from kiln.errors import (
     NotFoundError,
@@ -263,10 +263,7 @@ def replay(
     # As verify serves (kiln.compiler.verify.serve_copy): a private copy of the folder, an
     # empty HOME and TMPDIR, all watched, so the restored folder stays as found.
     with tempfile.TemporaryDirectory(prefix="kiln-replay-") as tmp:
-        served, home, temp = Path(tmp, "dest"), Path(tmp, "home"), Path(tmp, "tmp")
-        shutil.copytree(cache, served, symlinks=True)
-        home.mkdir()
-        temp.mkdir()
+        served, home, temp = private_copy(cache, manifest, Path(tmp))
         watch = {"DIR": str(served), "HOME": str(home), "TMPDIR": str(temp)}
         env = cache_env(served, manifest.env) | {"HOME": str(home), "TMPDIR": str(temp)}
         request = request.model_copy(update={"cache": str(served), "watch": watch})

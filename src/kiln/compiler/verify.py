@@ -37,7 +37,7 @@ from kiln.errors import IncompatibleError, NotFoundError, PackageLoadError, Usag
 from kiln.events import EventSink
 from kiln.files import atomic_write
 from kiln.grid import expand, off_grid, ordered
-from kiln.layout import CUDA_CACHE_DIR, INDUCTOR_DIR, CacheLayout
+from kiln.layout import CUDA_CACHE_DIR, INDUCTOR_DIR, CacheLayout, lock_links
 from kiln.serving import cache_env, served_torch_kwargs
 from kiln.spec import Spec, differing_keys, load_spec
 from kiln.workdir import FACTOR as WORKDIR_FACTOR
@@ -446,10 +446,7 @@ def serve_copy(
     restored folder stays as found. It runs where the spec says the server runs
     (:func:`kiln.workdir.served_in`)."""
     with tempfile.TemporaryDirectory(prefix="kiln-serve-") as tmp:
-        served, home, temp = Path(tmp, "dest"), Path(tmp, "home"), Path(tmp, "tmp")
-        shutil.copytree(cache, served, symlinks=True)
-        home.mkdir()
-        temp.mkdir()
+        served, home, temp = private_copy(cache, manifest, Path(tmp))
         request, env = first_process(
             served_request(served, manifest, order, spec.warmup.calls, route), manifest, home, temp
         )
@@ -461,6 +458,24 @@ def serve_copy(
         )
         cwd = served_in(spec.serve.workdir)
         return run_worker(spec, request, env, on_event=on_event, cwd=cwd)
+
+
+def private_copy(cache: Path, manifest: Manifest, tmp: Path) -> tuple[Path, Path, Path]:
+    """A copy of ``cache`` in ``tmp`` to serve, with an empty ``HOME`` and ``TMPDIR`` beside it:
+    ``(served, home, temp)``. What the served process writes lands in the copy, so a failing
+    verify fails again. Its lock links (:func:`kiln.layout.lock_links`) point into ``tmp`` as
+    well: Inductor leaves a lock file per C++ kernel it loads, owned by whoever loaded it, and
+    one left in the shared ``/tmp`` by a root verify in an image's build stops the image's
+    non-root server from loading that kernel (``PermissionError``)."""
+    served, home, temp, locks = tmp / "dest", tmp / "home", tmp / "tmp", tmp / "locks"
+    shutil.copytree(cache, served, symlinks=True)
+    for folder in (home, temp, locks):
+        folder.mkdir()
+    for link in lock_links(manifest.rank_world):
+        if (served / link).is_symlink():
+            (served / link).unlink()
+            (served / link).symlink_to(locks, target_is_directory=True)
+    return served, home, temp
 
 
 def first_process(
