@@ -304,6 +304,12 @@ def test_check_of_a_moved_folder_is_exit_5_naming_the_cache_location(cli, tmp_pa
     assert ok.returncode == 0, ok.stderr
     assert "TORCHINDUCTOR_COMPILE_THREADS" in ok.stdout, ok.stdout
     assert "env.TRITON_CACHE_DIR" in ok.stdout, ok.stdout
+    assert " ".join(ok.stdout.split()).endswith("will hit here"), ok.stdout
+    # Judged as a server has it after kiln.env: a shell without it is told so in the verdict.
+    bare = cli("check", moved, env={"TORCHINDUCTOR_CACHE_DIR": ""})
+    assert bare.returncode == 0, bare.stderr
+    verdict = " ".join(bare.stdout.split())
+    assert "will hit here once the server sources DIR/kiln.env or calls" in verdict, verdict
 
 
 def test_check_names_a_serving_setting_the_server_overrides() -> None:

@@ -54,13 +54,19 @@ def check_cmd(
     """Compare the baked fingerprint with this environment; exit 5 if caches would miss."""
     require_torch("check")
     from kiln.compiler.check import check
+    from kiln.compiler.location import FACTOR as LOCATION_FACTOR
 
     report = check(target, device_index=device_index)
 
     def human(c: Console) -> None:
         print_table(c, factor_table(report, all_rows=all_rows or report.ok))
         if report.ok:
-            c.print(f"[green]compatible[/]: {esc(report.name)} will hit here")
+            # Judged as a server has it after kiln.env: say so where this shell lacks it.
+            unset = any(f.name == LOCATION_FACTOR and f.here is None for f in report.factors)
+            then = " once the server sources DIR/kiln.env or calls kiln.activate(DIR)"
+            c.print(
+                f"[green]compatible[/]: {esc(report.name)} will hit here{then if unset else ''}"
+            )
         else:
             c.print(f"[red]incompatible[/]: {esc(', '.join(f.name for f in report.misses))}")
 
