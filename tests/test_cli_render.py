@@ -317,13 +317,17 @@ def test_verify_with_another_spec_names_keys_and_off_grid_buckets(baked, tmp_pat
     other = tmp_path / "other.yaml"
     other.write_text(mlp_spec(buckets="batch: [2, 7]"))
     # One route: the spec's difference and the off-grid bucket are the route's alike.
-    proc = cli("verify", other, "--cache", dest, "--order", "grid", "--route", "plain")
+    proc = cli("verify", other, "--cache", dest, "--order", "grid", "--route", "plain", "--json")
     assert proc.returncode == 6, proc.stderr
-    assert f"warning: {other} differs from the spec baked into this artifact at: buckets" in (
-        proc.stderr
-    )
-    assert "batch=7: " in proc.stderr
-    assert "batch=7 is not in the baked grid (batch: 2, 3, 5)" in proc.stderr
+    # Said before serving (a bucket never baked compiles first), on stderr beside --json.
+    warning = " ".join(proc.stderr.split()).split("warning: ")[1]
+    assert warning.startswith(
+        f"{other} differs from the spec baked into this artifact at: buckets.batch; 1 bucket(s) "
+        "will compile: batch=7 is not in the baked grid (batch: 2, 3, 5)"
+    ), proc.stderr
+    failing = json.loads(proc.stdout)["failing"]
+    assert len(failing) == 1 and failing[0].startswith("batch=7: ")
+    assert "batch=7 is not in the baked grid (batch: 2, 3, 5)" in failing[0]
 
 
 def test_a_work_cell_names_each_kind_of_compile_work_by_its_word() -> None:

@@ -176,6 +176,25 @@ class DestChanged(_Event):
         )
 
 
+class SpecDiffers(_Event):
+    """verify's spec is not the one baked into the artifact: said before it serves (a bucket
+    the bake never compiled takes its whole compile before the report could say why)."""
+
+    event: Literal["spec_differs"] = "spec_differs"
+    spec: str
+    keys: list[str] = Field(description="dotted spec keys that differ (empty: only the digest)")
+    unbaked: list[str] = Field(description="why each served bucket outside the baked grid is")
+
+    @property
+    def message(self) -> str:
+        where = ", ".join(self.keys) or "its digest"
+        text = f"{self.spec} differs from the spec baked into this artifact at: {where}"
+        if self.unbaked:
+            shown = "; ".join(self.unbaked[:3]) + ("; ..." if len(self.unbaked) > 3 else "")
+            text += f"; {len(self.unbaked)} bucket(s) will compile: {shown}"
+        return text
+
+
 WorkerEvent = Annotated[
     WorkerStarted | BucketStarted | BucketDone | FirstPassDone, Field(discriminator="event")
 ]
@@ -199,6 +218,7 @@ Event = (
     | Extracting
     | Recovered
     | DestChanged
+    | SpecDiffers
 )
 EventSink = Callable[[Event], None]
 

@@ -50,6 +50,7 @@ from kiln.events import (
     PassStarted,
     Proving,
     ServingImports,
+    SpecDiffers,
     Tuning,
     Waiting,
     WorkerStarted,
@@ -247,7 +248,7 @@ class _ProgressSink:
             case Extracting() as e:
                 task = self._task(self.byte_bars, "extract", "unpack", e.total)
                 self.byte_bars.update(task, completed=e.bytes, total=e.total)
-            case DestChanged() as e:  # shown with or without a terminal, even with --quiet
+            case DestChanged() | SpecDiffers() as e:  # with or without a terminal, or --quiet
                 self.warn(e.message)
             case _:
                 pass

@@ -34,7 +34,7 @@ from kiln.compiler.launch import WorkerRun, run_worker
 from kiln.compiler.protocol import WorkerRequest, input_stream
 from kiln.compiler.writes import driver_jit, in_driver_cache
 from kiln.errors import IncompatibleError, NotFoundError, PackageLoadError, UsageError
-from kiln.events import EventSink
+from kiln.events import EventSink, SpecDiffers
 from kiln.files import atomic_write
 from kiln.grid import expand, off_grid, ordered
 from kiln.layout import CUDA_CACHE_DIR, INDUCTOR_DIR, CacheLayout, lock_links
@@ -289,6 +289,7 @@ def verify(
     """Serve ``spec``'s grid (only the buckets ``keys`` names, when given: a shard's slice)
     from the restored folder ``cache`` on each of ``routes``, each in a fresh process that
     serves a private copy of the folder (``cache`` itself is never written)."""
+    shown = "the spec" if isinstance(spec, Spec) else str(spec)
     spec = spec if isinstance(spec, Spec) else load_spec(spec)
     cache = _restored(Path(cache).absolute())
     manifest = read_manifest(cache)
@@ -297,6 +298,12 @@ def verify(
     grid = [b for b in expand(spec) if keys is None or b.key in keys]
     order_keys = [b.key for b in ordered(grid, order, seed)]
     changes = folder_changes(cache, manifest)
+    matches = spec.sha256() == manifest.spec_sha256
+    differs = [] if matches else differing_keys(manifest.spec, spec.canonical())
+    baked_grid = [b.sizes for b in manifest.grid]
+    if not matches and on_event is not None:
+        unbaked = [why for b in grid if (why := off_grid(b.as_dict(), baked_grid)) is not None]
+        on_event(SpecDiffers(spec=shown, keys=differs, unbaked=unbaked))
     try:
         runs = [
             (
@@ -318,13 +325,9 @@ def verify(
         check=_environment_check(spec, manifest, lead),
         time_to_ready_s=lead.time_to_ready,
         time_to_warm_s=lead.time_to_warm,
-        spec_matches=spec.sha256() == manifest.spec_sha256,
-        spec_differs=(
-            differing_keys(manifest.spec, spec.canonical())
-            if spec.sha256() != manifest.spec_sha256
-            else []
-        ),
-        baked_grid=[b.sizes for b in manifest.grid],
+        spec_matches=matches,
+        spec_differs=differs,
+        baked_grid=baked_grid,
         graph_breaks=manifest.graph_breaks,
         extra={
             "precompile_load_s": lead.result.precompile_load_s,
