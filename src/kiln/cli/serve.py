@@ -120,7 +120,7 @@ def verify_cmd(
             routes=ROUTES if route is Route.BOTH else (route.value,),
             on_event=sink,
         )
-    o.emit(report.to_dict(), lambda c: _verified_view(c, o, report, spec, order))
+    o.emit(report.to_dict(), lambda c: _verified_view(c, report, order))
     if not report.ok:
         raise _reported(VerificationError(verify_failure(report)))
 
@@ -154,9 +154,10 @@ def _replay_traffic(
         raise _reported(VerificationError("; ".join(replayed.reasons())))
 
 
-def _verified_view(c: Console, o: Output, report: VerifyReport, spec: Path, order: Order) -> None:
+def _verified_view(c: Console, report: VerifyReport, order: Order) -> None:
     """``kiln verify`` for a person: every bucket's compiles and latency, time to ready, what
-    loaded instead of compiling, the factors that differ, and a spec edited since the bake."""
+    loaded instead of compiling, and the factors that differ (a spec edited since the bake is
+    said before serving: :class:`kiln.events.SpecDiffers`)."""
     title = f"verify {report.name} ({order.value} order, {' and '.join(report.routes)})"
     print_table(c, bucket_table(report.buckets, title, verify=True))
     c.print(f"ready in {ms(report.time_to_ready_s)} (process start → every bucket ran once)")
