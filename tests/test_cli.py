@@ -198,6 +198,20 @@ def test_check_of_a_file_that_is_no_artifact_says_so(cli, tmp_path: Path) -> Non
     assert f"{path}: not a kiln artifact" in one_error_line(proc.stderr)
 
 
+def test_a_path_that_does_not_exist_is_named_as_what_was_expected(cli, tmp_path: Path) -> None:
+    """check takes an artifact or a restored folder; verify's --cache a folder: a missing
+    path says which, with exit 4 (README "Exit codes")."""
+    missing = tmp_path / "nope"
+    check = cli("check", missing)
+    assert check.returncode == 4, check.stderr
+    assert f"{missing}: no such artifact file or restored folder" in one_error_line(check.stderr)
+    spec = tmp_path / "m.yaml"
+    spec.write_text(mlp_spec())
+    verify = cli("verify", spec, "--cache", missing)
+    assert verify.returncode == 4, verify.stderr
+    assert f"{missing}: no such folder (restore an artifact" in one_error_line(verify.stderr)
+
+
 def test_sign_of_a_bundle_says_bundles_are_signed_per_variant(cli, tmp_path: Path) -> None:
     from kiln.artifact.bundle import write_bundle
     from tests.archives import variant_archive

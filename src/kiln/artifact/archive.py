@@ -363,7 +363,7 @@ def read_manifest(path: str | Path) -> Manifest:
             data = fh.read(MAX_MANIFEST_BYTES + 1)  # parse_manifest refuses what is longer
         return parse_manifest(data)
     if not p.exists():
-        raise NotFoundError(f"{p}: no such artifact")
+        raise NotFoundError(f"{p}: no such artifact file or restored folder")
     try:
         with naming(p), open(p, "rb") as fh, open_tar_stream(fh) as tar:
             return read_manifest_member(tar)
