@@ -240,6 +240,32 @@ def test_cli_says_dest_changed_and_reinstalls(tmp_path: Path, cli) -> None:
     assert json.loads(proc.stdout)["noop"] is True and "changed" not in proc.stderr
 
 
+def test_cli_says_which_artifact_a_restore_replaced(tmp_path: Path, cli) -> None:
+    """DEST held another artifact: restore installs the new one (a release rolls forward) and
+    says what it replaced, by name and digest, rather than swapping it silently."""
+    first = good_archive(tmp_path / "a.kiln.tar.zst", FILES)
+    other = {**FILES, "inductor/fxgraph/b/entry": b"another graph"}
+    second = write_archive(
+        tmp_path / "b.kiln.tar.zst",
+        manifest_for(other, name="other"),
+        [reg(p, d) for p, d in sorted(other.items())],
+    )
+    dest = tmp_path / "cache"
+    installed = restore(first, dest)
+    assert installed.replaced is None
+    proc = cli("restore", second, "--dest", dest, no_torch=True)
+    assert proc.returncode == 0, proc.stderr
+    said = " ".join(proc.stdout.split())
+    assert f"replaced demo (sha256 {installed.sha256[:12]}…)" in said, proc.stdout
+    proc = cli("restore", first, "--dest", dest, "--json", no_torch=True)
+    assert json.loads(proc.stdout)["replaced"] == {
+        "name": "other",
+        "sha256": hashlib.sha256(second.read_bytes()).hexdigest(),
+    }
+    again = cli("restore", first, "--dest", dest, "--json", no_torch=True)
+    assert json.loads(again.stdout)["replaced"] is None  # a no-op replaces nothing
+
+
 def test_refuses_to_replace_foreign_folder(tmp_path: Path) -> None:
     dest = tmp_path / "home"
     dest.mkdir()

@@ -65,6 +65,8 @@ class RestoreResult:
     manifest: Manifest
     provenance: dict[str, Any] | None = None  # the verified attestation (restore --verify-key)
     choice: Choice | None = None  # the variant installed, when SOURCE is a bundle
+    # Another artifact DEST held before, which this restore replaced: its name and digest.
+    replaced: dict[str, str] | None = None
 
     def summary(self) -> dict[str, Any]:
         layout = CacheLayout(self.dest)
@@ -78,6 +80,7 @@ class RestoreResult:
             "bytes": self.bytes,
             "seconds": round(self.seconds, 3),
             "noop": self.noop,
+            "replaced": self.replaced,
             "env_file": str(self.env_file),
             "cache_dir": str(layout.inductor)
             if self.manifest.distributed is None
@@ -324,7 +327,8 @@ def _restore_locked(
     recover(dest, emit)
     _check_dest(dest)
     clean_stale(dest)
-    installed = _unless_changed(read_installed(dest), emit)
+    before = read_installed(dest)
+    installed = _unless_changed(before, emit)
     if pin is not None and installed is not None:
         noop, choice = installed.satisfies(pin, selector)
         if noop:
@@ -355,7 +359,10 @@ def _restore_locked(
         raise
     finally:
         shutil.rmtree(staging, ignore_errors=True)
-    return _result(dest, got.digest, got.manifest, env_file, t0, noop=False, choice=got.choice)
+    result = _result(dest, got.digest, got.manifest, env_file, t0, noop=False, choice=got.choice)
+    if before is not None and before.digest != got.digest:  # said, not silently swapped
+        result.replaced = {"name": before.manifest.name, "sha256": before.digest}
+    return result
 
 
 @dataclass

@@ -136,6 +136,9 @@ def _restored_view(c: Console, result: RestoreResult) -> None:
         f"{human_bytes(result.bytes)} in {result.seconds:.2f}s"
     )
     c.print(f"sha256 {result.sha256}")
+    if result.replaced is not None:
+        old = result.replaced
+        c.print(f"replaced [bold]{esc(old['name'])}[/] (sha256 {old['sha256'][:12]}…)")
     c.print(f"serve with: . {esc(result.env_file)}")
 
 
