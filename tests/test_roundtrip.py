@@ -415,6 +415,10 @@ def test_factory_error_is_a_spec_error(write_spec, tmp_path: Path, cli) -> None:
     proc = cli("bake", write_spec(text), "-o", tmp_path / "x.kiln.tar.zst")
     assert proc.returncode == 2
     assert ":3:3: model.factory: " in proc.stderr and "no_such_factory" in proc.stderr
+    misspelt = write_spec(mlp_spec().replace(":tiny_mlp", ":tiny_mpl"))
+    typo = cli("bake", misspelt, "-o", tmp_path / "y.kiln.tar.zst")
+    assert typo.returncode == 2
+    assert "has no attribute 'tiny_mpl' (did you mean 'tiny_mlp'?)" in typo.stderr, typo.stderr
 
 
 def test_bake_says_when_a_fresh_process_still_compiles(write_spec, tmp_path: Path, cli) -> None:

@@ -19,6 +19,7 @@ from kiln.compiler.failures import SpecProblem, one_line
 from kiln.compiler.ranks import Rank
 from kiln.grid import Bucket, expand
 from kiln.spec import Spec
+from kiln.spec_yaml import did_you_mean
 
 
 def resolve_factory(spec: Spec) -> Any:
@@ -44,9 +45,12 @@ def resolve_factory(spec: Spec) -> Any:
             sys.path.remove(base)
     obj: Any = module
     for part in attr.split("."):
-        obj = getattr(obj, part, None)
+        owner, obj = obj, getattr(obj, part, None)
         if obj is None:
-            raise SpecProblem("model.factory", f"{target!r} has no attribute {attr!r}")
+            names = [n for n in dir(owner) if not n.startswith("_")]
+            raise SpecProblem(
+                "model.factory", f"{target!r} has no attribute {attr!r}{did_you_mean(part, names)}"
+            )
     if not callable(obj):
         raise SpecProblem("model.factory", f"{spec.model.factory!r} is not callable")
     return obj
