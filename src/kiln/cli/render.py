@@ -215,12 +215,14 @@ def factor_table(report: CheckReport, *, all_rows: bool) -> Table:
 def verify_failure(report: VerifyReport) -> str:
     """A failed verify as an error message: a header line, then one line per bucket that
     compiled, saying what compiled and why (:func:`kiln.compiler.verify.explain`)."""
-    failing = report.reasons()
+    compiled = len(report.failing)
     header = (
-        f"{report.name}: {len(failing)} of {len(report.buckets)} buckets compiled "
+        f"{report.name}: {compiled} of {len(report.buckets)} buckets compiled "
         "against the restored cache:"
+        if compiled
+        else f"{report.name}: no bucket compiled, but the restored folder cannot serve as is:"
     )
-    return "\n".join([header, *failing])
+    return "\n".join([header, *report.reasons()])
 
 
 def aoti_line(m: Manifest) -> str:

@@ -27,9 +27,10 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
 
 from kiln import bytecode
-from kiln.errors import UsageError
+from kiln.errors import IncompatibleError, UsageError
 from kiln.factors import BUILD_FACTORS
 from kiln.installs import torch_build
+from kiln.kernel_locks import describe, foreign_locks
 from kiln.layout import MAX_MANIFEST_BYTES, CacheLayout
 from kiln.serving import (
     UNSET_ENV,
@@ -190,7 +191,9 @@ def activate(
     :class:`CompatWarning`, "ignore" does neither. For a K-rank artifact, ``rank`` (default:
     ``RANK``, else ``LOCAL_RANK``, as torchrun sets them) picks the rank's caches; none set, or
     one outside the artifact's ranks, is a :class:`~kiln.errors.UsageError`. ``device_index``
-    defaults to the baked one.
+    defaults to the baked one. Whatever ``compat``, another user's kernel lock files that this
+    process cannot open (:mod:`kiln.kernel_locks`) raise :class:`~kiln.errors.IncompatibleError`
+    here, where the loads would raise ``PermissionError`` mid-request.
     """
     cache = Path(cache).absolute()
     notes: list[str] = []
@@ -209,6 +212,9 @@ def activate(
         if device_index is None:
             device_index = _baked_device_index(manifest, rank)
         layout = CacheLayout(cache, rank)
+        # Not a judgement of the caches: with another user's lock, the loads would fail.
+        if manifest.aoti is None and (locked := foreign_locks(layout.inductor)):
+            raise IncompatibleError(f"{cache}: {describe(locked)}")
         env = _serving_env(cache, manifest, rank, notes)
         os.environ.update(env)
         for var in UNSET_ENV:  # each would move a shipped cache out of DIR (kiln.serving)

@@ -25,6 +25,7 @@ from kiln.compiler.location import (
 )
 from kiln.errors import IncompatibleError
 from kiln.factors import Factor, compare, misses
+from kiln.kernel_locks import locks_factor
 from kiln.serving import SERVING_ENV, SERVING_NOTES
 from kiln.workdir import logical_cwd, workdir_factor
 
@@ -196,10 +197,11 @@ def check(
     if where is not None:
         report.factors.append(where)
     if manifest.aoti is None:  # the aoti route starts no Inductor, so has no pool to race
+        inductor = served_inductor(target, manifest, rank)
         report.factors.extend(serving_env_factors(os.environ, device))
-        report.factors.extend(
-            moved_cache_factors(os.environ, served_inductor(target, manifest, rank))
-        )
+        report.factors.extend(moved_cache_factors(os.environ, inductor))
+        if (locks := locks_factor(inductor)) is not None:
+            report.factors.append(locks)
     return report
 
 

@@ -37,6 +37,8 @@ from kiln.errors import IncompatibleError, NotFoundError, PackageLoadError, Usag
 from kiln.events import EventSink, SpecDiffers
 from kiln.files import atomic_write
 from kiln.grid import expand, off_grid, ordered
+from kiln.kernel_locks import describe as describe_locks
+from kiln.kernel_locks import foreign_locks
 from kiln.layout import CUDA_CACHE_DIR, INDUCTOR_DIR, CacheLayout, lock_links
 from kiln.serving import cache_env, served_torch_kwargs
 from kiln.spec import Spec, differing_keys, load_spec
@@ -64,6 +66,9 @@ class VerifyReport:
     # How the folder differs from what restore installed (files added, removed, changed).
     folder_changes: list[str] = field(default_factory=list)
     spec_differs: list[str] = field(default_factory=list)  # dotted keys, when not spec_matches
+    # Kernel lock files of the folder this user cannot open (kiln.kernel_locks): the served
+    # copy has its own, so its buckets pass, but a server of the folder would fail to load.
+    foreign_locks: list[str] = field(default_factory=list)
     baked_grid: list[dict[str, int]] = field(default_factory=list)  # each baked bucket's sizes
 
     @property
@@ -85,13 +90,15 @@ class VerifyReport:
 
     @property
     def ok(self) -> bool:
-        return not self.failing and not self.folder_changes
+        return not self.failing and not self.folder_changes and not self.foreign_locks
 
     def reasons(self) -> list[str]:
         misses = [f.name for f in self.check.misses] if self.check else []
         # The working directory keys no graph (kiln.workdir): only the driver's JIT cache.
         graphs = ", ".join(name for name in misses if name != WORKDIR_FACTOR)
         changed = [changed_line(self.folder_changes)] if self.folder_changes else []
+        if self.foreign_locks:
+            changed.append(describe_locks([Path(p) for p in self.foreign_locks]))
         if self.failing and self.extra.get("unserved_workdir"):
             changed.append(self.extra["unserved_workdir"])
         return changed + [
@@ -112,6 +119,7 @@ class VerifyReport:
             "time_to_warm_s": round(self.time_to_warm_s, 3),
             "routes": self.routes,
             "folder_changes": self.folder_changes,
+            "foreign_locks": self.foreign_locks,
             "compiles": sum(b.compiles for b in self.buckets),
             "failing": self.reasons(),
             "buckets": [b.model_dump(mode="json") | {"compiles": b.compiles} for b in self.buckets],
@@ -339,6 +347,12 @@ def verify(
         },
         routes=list(routes),
         folder_changes=changes,
+        foreign_locks=[
+            str(lock)
+            for layout in CacheLayout.ranks(cache, manifest.rank_world)
+            if manifest.aoti is None
+            for lock in foreign_locks(layout.inductor)
+        ],
     )
     if ready_file is not None:
         _mark_ready(Path(ready_file), report)

@@ -1,0 +1,108 @@
+"""Inductor's kernel lock files, left by one user, stop another's server (kiln.kernel_locks).
+
+The image pattern: a root step serves the restored folder once (a warm-up, a check), Inductor
+leaves a lock file per C++ kernel it loaded, root's, mode 0644, and the image's non-root
+server then fails every such load with ``PermissionError``. kiln must say so before serving.
+Acting as another user needs root; the non-root side runs in a forked child (which needs no
+interpreter it could not reach), on a folder outside pytest's private temporary root.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import tempfile
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+import kiln
+from kiln.errors import IncompatibleError
+from kiln.kernel_locks import foreign_locks, locks_factor
+from tests.first_process import serve_like_a_user
+
+pytestmark = [
+    pytest.mark.slow,
+    pytest.mark.skipif(os.geteuid() != 0, reason="acts as another user: needs root"),
+]
+NOBODY = 65534
+
+
+def as_user(uid: int, fn: Callable[[], Any]) -> Any:
+    """``fn()`` in a forked child running as ``uid``: its JSON-able result, or its error."""
+    read, write = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # the child: never returns into pytest
+        os.close(read)
+        try:
+            os.setgid(uid)
+            os.setuid(uid)
+            out: Any = {"result": fn()}
+        except BaseException as exc:
+            out = {"error": type(exc).__name__, "message": str(exc)}
+        with os.fdopen(write, "w") as pipe:
+            json.dump(out, pipe)
+        os._exit(0)
+    os.close(write)
+    with os.fdopen(read) as pipe:
+        got = json.load(pipe)
+    os.waitpid(pid, 0)
+    return got
+
+
+@pytest.fixture
+def shared(baked) -> Iterator[tuple[Path, Path, Path]]:
+    """The baked MLP restored where another user can read it, its lock link pointing at a
+    folder of the test's (standing in for /tmp, which the test leaves as it found it)."""
+    base = Path(tempfile.mkdtemp(prefix="kiln-locks-", dir="/tmp"))
+    try:
+        base.chmod(0o755)
+        spec, result = baked
+        dest = base / "cache"
+        kiln.restore(result.artifact, dest)
+        locks = base / "locks"
+        locks.mkdir(mode=0o755)
+        (dest / "inductor" / "locks").unlink()
+        (dest / "inductor" / "locks").symlink_to(locks, target_is_directory=True)
+        yield spec, dest, locks
+    finally:
+        shutil.rmtree(base, ignore_errors=True)
+
+
+def test_another_users_kernel_locks_are_named_before_serving(
+    shared: tuple[Path, Path, Path], tmp_path: Path
+) -> None:
+    spec, dest, locks = shared
+    # Root serves the folder once, as a build step would: Inductor leaves its locks, root's.
+    served = serve_like_a_user(spec, dest, tmp_path / "root-run")
+    assert served.returncode == 0, served.stderr
+    left = sorted(p.name for p in locks.iterdir())
+    kernels = {c.name.split(".")[0] + ".lock" for c in (dest / "inductor").glob("*/*.cpp")}
+    assert left and set(left) <= kernels and all(p.stat().st_uid == 0 for p in locks.iterdir())
+    assert foreign_locks(dest / "inductor") == []  # root opens them
+
+    def as_server() -> dict[str, Any]:
+        found = [p.name for p in foreign_locks(dest / "inductor")]
+        factor = locks_factor(dest / "inductor")  # kiln check's row: a miss, exit 5
+        row = None if factor is None else [factor.name, factor.causes_miss, factor.here]
+        try:
+            kiln.activate(dest, compat="ignore")
+        except IncompatibleError as exc:
+            return {"found": found, "check": row, "activate": str(exc)}
+        return {"found": found, "check": row, "activate": None}
+
+    got = as_user(NOBODY, as_server)
+    assert "error" not in got, got
+    assert got["result"]["found"] == left
+    said = got["result"]["activate"]
+    assert said is not None and said.startswith(f"{dest}: Inductor's kernel lock files this user")
+    assert f"(uid {NOBODY}) cannot open: {len(left)}, e.g. {locks / left[0]} (uid 0's)" in said
+    assert "serve the folder as the user that left them, or remove them" in said
+    assert got["result"]["check"] == [
+        "process.locks",
+        True,
+        f"another user's: {len(left)}, e.g. {locks / left[0]} (uid 0's)",
+    ]
