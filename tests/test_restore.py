@@ -266,6 +266,29 @@ def test_cli_says_which_artifact_a_restore_replaced(tmp_path: Path, cli) -> None
     assert json.loads(again.stdout)["replaced"] is None  # a no-op replaces nothing
 
 
+def test_a_restore_under_a_strict_umask_is_readable_by_the_server(tmp_path: Path) -> None:
+    """A root init container with umask 077 restores for the image's non-root server: files
+    and folders get the archive's modes (0644, 0755), whatever the restoring umask; the lock
+    links stay links, /tmp untouched."""
+    art = good_archive(tmp_path / "a.kiln.tar.zst", FILES)
+    dest = tmp_path / "cache"
+    old = os.umask(0o077)
+    try:
+        restore(art, dest)
+    finally:
+        os.umask(old)
+    modes = {
+        p.relative_to(dest).as_posix(): p.stat().st_mode & 0o777
+        for p in [dest, *dest.rglob("*")]
+        if not p.is_symlink()
+    }
+    assert set(modes.values()) == {0o644, 0o755}, modes
+    assert all(mode == 0o755 for rel, mode in modes.items() if (dest / rel).is_dir())
+    assert modes["kiln.env"] == 0o644 and modes["manifest.json"] == 0o644
+    assert (dest / "inductor" / "locks").is_symlink()
+    assert restore(art, dest).noop  # the modes are the install's, not a change
+
+
 def test_refuses_to_replace_foreign_folder(tmp_path: Path) -> None:
     dest = tmp_path / "home"
     dest.mkdir()

@@ -469,9 +469,23 @@ def _complete(tree: Path, dest: Path, manifest: Manifest, state: InstallState) -
         (tree / link).symlink_to(LOCKS_TARGET)
     check_stage(tree, dest, manifest)
     moved = relocate_groups(tree, dest, manifest.entries())
+    _share(tree)
     # Stamped last: a later repeat restore hashes only the files changed after this.
     stamped = state.model_copy(update={"stamp_ns": stamp(tree, manifest), "relocated": moved})
     staged.state_file.write_text(stamped.model_dump_json())
+
+
+def _share(tree: Path) -> None:
+    """The modes the archive records (files 0644, folders 0755), whatever this process's umask:
+    a restored folder is served by the server's user, often not the restoring one (a root init
+    container with umask 077 left 0600 files that the ``USER 1000`` server could not read).
+    Links are left alone, and not followed: the lock links point at the shared ``/tmp``."""
+    for root, _dirs, files in os.walk(tree):  # Path.walk is Python 3.12's
+        folder = Path(root)
+        folder.chmod(0o755)
+        for name in files:
+            if not (folder / name).is_symlink():
+                (folder / name).chmod(0o644)
 
 
 def _noop(
