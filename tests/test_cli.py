@@ -210,6 +210,11 @@ def test_a_path_that_does_not_exist_is_named_as_what_was_expected(cli, tmp_path:
     verify = cli("verify", spec, "--cache", missing)
     assert verify.returncode == 4, verify.stderr
     assert f"{missing}: no such folder (restore an artifact" in one_error_line(verify.stderr)
+    artifact = tmp_path / "a.kiln.tar.zst"
+    artifact.write_bytes(b"")
+    verify = cli("verify", spec, "--cache", artifact)
+    assert verify.returncode == 4, verify.stderr
+    assert f"{artifact}: not a folder (restore an artifact" in one_error_line(verify.stderr)
 
 
 def test_sign_of_a_bundle_says_bundles_are_signed_per_variant(cli, tmp_path: Path) -> None:
@@ -323,7 +328,7 @@ def test_check_of_a_moved_folder_is_exit_5_naming_the_cache_location(cli, tmp_pa
     bare = cli("check", moved, env={"TORCHINDUCTOR_CACHE_DIR": ""})
     assert bare.returncode == 0, bare.stderr
     verdict = " ".join(bare.stdout.split())
-    assert "will hit here once the server sources DIR/kiln.env or calls" in verdict, verdict
+    assert f"will hit here once the server sources {moved}/kiln.env or calls" in verdict, verdict
 
 
 def test_check_names_a_serving_setting_the_server_overrides() -> None:

@@ -83,6 +83,9 @@ def test_another_users_kernel_locks_are_named_before_serving(
     kernels = {c.name.split(".")[0] + ".lock" for c in (dest / "inductor").glob("*/*.cpp")}
     assert left and set(left) <= kernels and all(p.stat().st_uid == 0 for p in locks.iterdir())
     assert foreign_locks(dest / "inductor") == []  # root opens them
+    # Another program's files in the link's target (/tmp) are not the folder's kernels.
+    for name in ("zz_unrelated.cpp", "zz_unrelated.lock"):
+        (locks / name).write_text("")
 
     def as_server() -> dict[str, Any]:
         found = [p.name for p in foreign_locks(dest / "inductor")]
@@ -98,9 +101,10 @@ def test_another_users_kernel_locks_are_named_before_serving(
     assert "error" not in got, got
     assert got["result"]["found"] == left
     said = got["result"]["activate"]
-    assert said is not None and said.startswith(f"{dest}: Inductor's kernel lock files this user")
+    assert said is not None
+    assert said.startswith(f"{dest}: process.locks: Inductor's kernel lock files this user")
     assert f"(uid {NOBODY}) cannot open: {len(left)}, e.g. {locks / left[0]} (uid 0's)" in said
-    assert "serve the folder as the user that left them, or remove them" in said
+    assert "serve the folder as the user that left them, or have that user remove them" in said
     assert got["result"]["check"] == [
         "process.locks",
         True,

@@ -271,12 +271,14 @@ def test_a_restore_under_a_strict_umask_is_readable_by_the_server(tmp_path: Path
     and folders get the archive's modes (0644, 0755), whatever the restoring umask; the lock
     links stay links, /tmp untouched."""
     art = good_archive(tmp_path / "a.kiln.tar.zst", FILES)
-    dest = tmp_path / "cache"
+    dest = tmp_path / "opt" / "kiln" / "cache"  # the folders above, restore's to make
     old = os.umask(0o077)
     try:
-        restore(art, dest)
+        restore(art, dest, env_file=tmp_path / "kiln.env")
     finally:
         os.umask(old)
+    assert [(p.stat().st_mode & 0o777) for p in (dest.parent, dest.parent.parent)] == [0o755] * 2
+    assert (tmp_path / "kiln.env").stat().st_mode & 0o777 == 0o644
     modes = {
         p.relative_to(dest).as_posix(): p.stat().st_mode & 0o777
         for p in [dest, *dest.rglob("*")]

@@ -87,7 +87,8 @@ _NOTES = {
     "bake on cuda:0 and serve with one visible GPU per process",
     "cpu.isa": "C++ kernels are built for the picked vector ISA",
     "cpp.paths": "C++ kernels are keyed by their build command, which names where Python and "
-    "torch are installed: serve from the same install paths as the bake (same image or venv)",
+    "torch are installed: serve from the same install paths as the bake (same image or venv), "
+    "and check with the server's interpreter (python -m kiln check)",
     "flags.deterministic": "deterministic-algorithms flag is in the FX key",
     "flags.matmul_precision": "float32 matmul precision is in the FX key",
     "flags.allow_tf32": "TF32 setting is in the FX key",

@@ -15,6 +15,7 @@ functions find such files before a server does, for ``kiln check``, ``kiln verif
 from __future__ import annotations
 
 import os
+import stat
 from pathlib import Path
 
 from kiln.factors import Factor
@@ -24,17 +25,31 @@ FACTOR = "process.locks"
 
 
 def foreign_locks(inductor: Path) -> list[Path]:
-    """The lock files of ``inductor``'s C++ kernels (``XX/KEY[.main].cpp``, locked as
-    ``locks/KEY.lock``) that this process cannot open for writing, as Inductor opens them;
-    where they are (through restore's link: in ``/tmp``), to remove them by."""
+    """The lock files of ``inductor``'s C++ kernels (``XX/KEY[.main].cpp`` in its own
+    folders, locked as ``locks/KEY.lock``) that this process cannot open as Inductor does
+    (read-write, not through a link), where they are (through restore's link: in ``/tmp``).
+    Only the kernels' own folders are read, never the link's target."""
     locks = inductor / LOCKS_DIR
     if not locks.is_dir():
         return []
+    where = locks.resolve()
     found = set()
-    for source in inductor.glob("*/*.cpp"):
-        lock = locks / f"{source.name.split('.', 1)[0]}.lock"
-        if lock.is_file() and not os.access(lock, os.R_OK | os.W_OK):
-            found.add(lock.resolve())
+    for folder in os.scandir(inductor):
+        if folder.name == LOCKS_DIR or not folder.is_dir(follow_symlinks=False):
+            continue
+        for source in os.scandir(folder.path):
+            if not source.name.endswith(".cpp"):
+                continue
+            lock = where / f"{source.name.split('.', 1)[0]}.lock"
+            try:
+                st = lock.lstat()
+            except OSError:
+                continue  # none yet: the first load makes it, this user's
+            usable = stat.S_ISREG(st.st_mode) and os.access(
+                lock, os.R_OK | os.W_OK, effective_ids=os.access in os.supports_effective_ids
+            )
+            if not usable:
+                found.add(lock)
     return sorted(found)
 
 
@@ -50,9 +65,9 @@ def _whose(found: list[Path]) -> str:
 def describe(found: list[Path]) -> str:
     """One line on ``found`` (:func:`foreign_locks`, not empty): how many, whose, what to do."""
     return (
-        f"Inductor's kernel lock files this user (uid {os.geteuid()}) cannot open: "
+        f"{FACTOR}: Inductor's kernel lock files this user (uid {os.geteuid()}) cannot open: "
         f"{_whose(found)}; loading those C++ kernels fails with PermissionError: serve the "
-        "folder as the user that left them, or remove them"
+        "folder as the user that left them, or have that user remove them"
     )
 
 
@@ -63,6 +78,7 @@ def locks_factor(inductor: Path | None) -> Factor | None:
         return None
     note = (
         "Inductor leaves each C++ kernel's lock file in /tmp as its first loader's; another "
-        "user's cannot be opened, and the load fails: serve as that user, or remove them"
+        "user's cannot be opened, and the load fails: serve as that user, or have that user "
+        "remove them"
     )
     return Factor(FACTOR, "this user's", f"another user's: {_whose(found)}", False, True, note)

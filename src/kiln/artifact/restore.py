@@ -254,7 +254,7 @@ def restore(
                 _check_dest(dest)
                 return _attested(_noop(dest, installed, env_file, t0, choice), trust)
     try:
-        dest.parent.mkdir(parents=True, exist_ok=True)
+        _make_parents(dest)
         lock = Lock(dest)
     except OSError as exc:
         if exc.errno not in UNWRITABLE:
@@ -475,6 +475,15 @@ def _complete(tree: Path, dest: Path, manifest: Manifest, state: InstallState) -
     staged.state_file.write_text(stamped.model_dump_json())
 
 
+def _make_parents(dest: Path) -> None:
+    """The folders above ``dest`` that do not exist yet, 0755 as :func:`_share` leaves DEST:
+    the server must reach DEST through them, whatever the restoring umask."""
+    missing = [p for p in (dest.parent, *dest.parent.parents) if not p.exists()]
+    dest.parent.mkdir(parents=True, exist_ok=True)
+    for folder in missing:
+        folder.chmod(0o755)
+
+
 def _share(tree: Path) -> None:
     """The modes the archive records (files 0644, folders 0755), whatever this process's umask:
     a restored folder is served by the server's user, often not the restoring one (a root init
@@ -530,4 +539,5 @@ def _write_env_copy(dest: Path, env_file: str | Path | None) -> Path:
     target = Path(env_file).absolute()
     with open(written, "rb") as src, atomic_write(target) as out:
         shutil.copyfileobj(src, out, CHUNK)
+        os.fchmod(out.fileno(), 0o644)  # the server's to read, as DIR's own copy (_share)
     return target

@@ -63,7 +63,7 @@ def check_cmd(
         if report.ok:
             # Judged as a server has it after kiln.env: say so where this shell lacks it.
             unset = any(f.name == LOCATION_FACTOR and f.here is None for f in report.factors)
-            then = " once the server sources DIR/kiln.env or calls kiln.activate(DIR)"
+            then = f" once the server sources {esc(str(target))}/kiln.env or calls kiln.activate()"
             c.print(
                 f"[green]compatible[/]: {esc(report.name)} will hit here{then if unset else ''}"
             )

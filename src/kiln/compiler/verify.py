@@ -373,7 +373,8 @@ def _restored(cache: Path) -> Path:
     """``cache``, when it holds a restored artifact's caches (rank 0's of a K-rank artifact, or
     AOTInductor packages); else NotFoundError."""
     if not cache.is_dir():
-        raise NotFoundError(f"{cache}: no such folder (restore an artifact there first)")
+        what = "not a folder" if cache.exists() else "no such folder"
+        raise NotFoundError(f"{cache}: {what} (restore an artifact there first)")
     top = CacheLayout(cache)
     first = CacheLayout(cache, 0) if top.ranks_dir.is_dir() else top
     if not first.inductor.is_dir() and not top.aoti.is_dir():
