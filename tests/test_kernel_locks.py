@@ -22,6 +22,7 @@ import pytest
 import kiln
 from kiln.errors import IncompatibleError
 from kiln.kernel_locks import foreign_locks, locks_factor
+from kiln.layout import CacheLayout
 from tests.first_process import serve_like_a_user
 
 pytestmark = [
@@ -82,14 +83,14 @@ def test_another_users_kernel_locks_are_named_before_serving(
     left = sorted(p.name for p in locks.iterdir())
     kernels = {c.name.split(".")[0] + ".lock" for c in (dest / "inductor").glob("*/*.cpp")}
     assert left and set(left) <= kernels and all(p.stat().st_uid == 0 for p in locks.iterdir())
-    assert foreign_locks(dest / "inductor") == []  # root opens them
+    assert foreign_locks(CacheLayout(dest)) == []  # root opens them
     # Another program's files in the link's target (/tmp) are not the folder's kernels.
     for name in ("zz_unrelated.cpp", "zz_unrelated.lock"):
         (locks / name).write_text("")
 
     def as_server() -> dict[str, Any]:
-        found = [p.name for p in foreign_locks(dest / "inductor")]
-        factor = locks_factor(dest / "inductor")  # kiln check's row: a miss, exit 5
+        found = [p.name for p in foreign_locks(CacheLayout(dest))]
+        factor = locks_factor(CacheLayout(dest))  # kiln check's row: a miss, exit 5
         row = None if factor is None else [factor.name, factor.causes_miss, factor.here]
         try:
             kiln.activate(dest, compat="ignore")

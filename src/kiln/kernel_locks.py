@@ -19,22 +19,21 @@ import stat
 from pathlib import Path
 
 from kiln.factors import Factor
-from kiln.layout import LOCKS_DIR
+from kiln.layout import LOCKS_DIR, CacheLayout
 
 FACTOR = "process.locks"
 
 
-def foreign_locks(inductor: Path) -> list[Path]:
-    """The lock files of ``inductor``'s C++ kernels (``XX/KEY[.main].cpp`` in its own
-    folders, locked as ``locks/KEY.lock``) that this process cannot open as Inductor does
-    (read-write, not through a link), where they are (through restore's link: in ``/tmp``).
-    Only the kernels' own folders are read, never the link's target."""
-    locks = inductor / LOCKS_DIR
-    if not locks.is_dir():
+def foreign_locks(layout: CacheLayout) -> list[Path]:
+    """The lock files of the layout's C++ kernels (``inductor/XX/KEY[.main].cpp``, locked as
+    ``inductor/locks/KEY.lock``) that this process cannot open as Inductor does (read-write,
+    not through a link), where they are (through restore's link: in ``/tmp``). Only the
+    kernels' own folders are read, never the link's target."""
+    if not layout.locks.is_dir():
         return []
-    where = locks.resolve()
+    where = layout.locks.resolve()
     found = set()
-    for folder in os.scandir(inductor):
+    for folder in os.scandir(layout.inductor):
         if folder.name == LOCKS_DIR or not folder.is_dir(follow_symlinks=False):
             continue
         for source in os.scandir(folder.path):
@@ -71,9 +70,9 @@ def describe(found: list[Path]) -> str:
     )
 
 
-def locks_factor(inductor: Path | None) -> Factor | None:
+def locks_factor(layout: CacheLayout | None) -> Factor | None:
     """:func:`foreign_locks` as a factor that fails ``kiln check`` (None: none, or no folder)."""
-    found = foreign_locks(inductor) if inductor is not None else []
+    found = foreign_locks(layout) if layout is not None else []
     if not found:
         return None
     note = (

@@ -191,9 +191,8 @@ def activate(
     :class:`CompatWarning`, "ignore" does neither. For a K-rank artifact, ``rank`` (default:
     ``RANK``, else ``LOCAL_RANK``, as torchrun sets them) picks the rank's caches; none set, or
     one outside the artifact's ranks, is a :class:`~kiln.errors.UsageError`. ``device_index``
-    defaults to the baked one. Whatever ``compat``, another user's kernel lock files that this
-    process cannot open (:mod:`kiln.kernel_locks`) raise :class:`~kiln.errors.IncompatibleError`
-    here, where the loads would raise ``PermissionError`` mid-request.
+    defaults to the baked one. Whatever ``compat``, kernel lock files this process cannot open
+    (:mod:`kiln.kernel_locks`) raise :class:`~kiln.errors.IncompatibleError`.
     """
     cache = Path(cache).absolute()
     notes: list[str] = []
@@ -212,8 +211,7 @@ def activate(
         if device_index is None:
             device_index = _baked_device_index(manifest, rank)
         layout = CacheLayout(cache, rank)
-        # Not a judgement of the caches: with another user's lock, the loads would fail.
-        if manifest.aoti is None and (locked := foreign_locks(layout.inductor)):
+        if manifest.aoti is None and (locked := foreign_locks(layout)):  # loads would fail
             raise IncompatibleError(f"{cache}: {describe(locked)}")
         env = _serving_env(cache, manifest, rank, notes)
         os.environ.update(env)

@@ -21,7 +21,7 @@ from kiln.compiler.location import (
     location_factor,
     moved_cache_factors,
     probe_inductor_dir,
-    served_inductor,
+    served_layout,
 )
 from kiln.errors import IncompatibleError
 from kiln.factors import Factor, compare, misses
@@ -197,10 +197,10 @@ def check(
     if where is not None:
         report.factors.append(where)
     if manifest.aoti is None:  # the aoti route starts no Inductor, so has no pool to race
-        inductor = served_inductor(target, manifest, rank)
+        layout = served_layout(target, manifest, rank)
         report.factors.extend(serving_env_factors(os.environ, device))
-        report.factors.extend(moved_cache_factors(os.environ, inductor))
-        if (locks := locks_factor(inductor)) is not None:
+        report.factors.extend(moved_cache_factors(os.environ, layout.inductor if layout else None))
+        if (locks := locks_factor(layout)) is not None:
             report.factors.append(locks)
     return report
 

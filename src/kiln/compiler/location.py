@@ -37,14 +37,20 @@ CACHE_VAR = "TORCHINDUCTOR_CACHE_DIR"
 FACTOR = f"env.{CACHE_VAR}"
 
 
-def served_inductor(target: str | Path, manifest: Manifest, rank: int | None) -> Path | None:
-    """The Inductor cache folder a server of the restored folder ``target`` (this rank's, of a
-    K-rank artifact) uses; None for an artifact file, which is restored nowhere yet."""
+def served_layout(target: str | Path, manifest: Manifest, rank: int | None) -> CacheLayout | None:
+    """The layout a server of the restored folder ``target`` (this rank's, of a K-rank
+    artifact) uses; None for an artifact file, which is restored nowhere yet."""
     folder = Path(target)
     if not folder.is_dir():
         return None
     serving_rank = (rank or 0) if manifest.distributed is not None else None
-    return CacheLayout(folder.absolute(), serving_rank).inductor
+    return CacheLayout(folder.absolute(), serving_rank)
+
+
+def served_inductor(target: str | Path, manifest: Manifest, rank: int | None) -> Path | None:
+    """The Inductor cache folder of :func:`served_layout`."""
+    layout = served_layout(target, manifest, rank)
+    return layout.inductor if layout is not None else None
 
 
 def location_factor(

@@ -351,7 +351,7 @@ def verify(
             str(lock)
             for layout in CacheLayout.ranks(cache, manifest.rank_world)
             if manifest.aoti is None
-            for lock in foreign_locks(layout.inductor)
+            for lock in foreign_locks(layout)
         ],
     )
     if ready_file is not None:
