@@ -225,13 +225,7 @@ def bench(
         raise UsageError(Worded(Param("repeat"), " must be at least 1"))
     spec = spec if isinstance(spec, Spec) else load_spec(spec)
     emit = on_event or ignore
-    # absolute: the served processes may run in the spec's serve.workdir (kiln.workdir)
-    work = (
-        Path(workdir).absolute()
-        if workdir
-        else Path(tempfile.mkdtemp(prefix=f"kiln-bench-{spec.name}-"))
-    )
-    work.mkdir(parents=True, exist_ok=True)
+    work = bench_folder(spec, workdir)
     aoti_spec = with_route(spec, "aoti") if "aoti" in chosen else None
     spec = with_route(spec, "compile")
     reused: list[bool] = []
@@ -344,6 +338,17 @@ def _bench_bake(
         )
     )
     return result
+
+
+def bench_folder(spec: Spec, workdir: str | Path | None) -> Path:
+    """Where a bench keeps its bakes and restores: ``workdir`` (made absolute: the served
+    processes may run in the spec's ``serve.workdir``, kiln.workdir), else a new temporary
+    folder."""
+    if not workdir:
+        return Path(tempfile.mkdtemp(prefix=f"kiln-bench-{spec.name}-"))
+    work = Path(workdir).absolute()
+    work.mkdir(parents=True, exist_ok=True)
+    return work
 
 
 def reusable_bake(spec: Spec, work: Path, files: _BakeFiles = _COMPILE_BAKE) -> BakeResult | str:

@@ -311,16 +311,11 @@ def bench_traffic(
     eager call (``kiln bench --traffic``)."""
     from kiln.artifact.restore import restore
     from kiln.compiler.bake import FollowerResult, bake
+    from kiln.compiler.bench import bench_folder
 
     spec = spec if isinstance(spec, Spec) else load_spec(spec)
     read_traffic(traffic, tuple(spec.buckets))  # a bad log is exit 2 before a bake
-    # absolute: the served processes may run in the spec's serve.workdir
-    work = (
-        Path(workdir).absolute()
-        if workdir
-        else Path(tempfile.mkdtemp(prefix=f"kiln-bench-{spec.name}-"))
-    )
-    work.mkdir(parents=True, exist_ok=True)
+    work = bench_folder(spec, workdir)
     try:
         baked = bake(spec, work / "bench.kiln.tar.zst", on_event=on_event)
         if isinstance(baked, FollowerResult):
