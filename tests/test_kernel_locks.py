@@ -4,7 +4,8 @@ The image pattern: a root step serves the restored folder once (a warm-up, a che
 leaves a lock file per C++ kernel it loaded, root's, mode 0644, and the image's non-root
 server then fails every such load with ``PermissionError``. kiln must say so before serving.
 Acting as another user needs root; the non-root side runs in a forked child (which needs no
-interpreter it could not reach), on a folder outside pytest's private temporary root.
+interpreter it could not reach), on a folder outside pytest's private temporary root. Run
+without root, the suite meets the same refusal through lock files this user cannot write.
 """
 
 from __future__ import annotations
@@ -25,10 +26,9 @@ from kiln.kernel_locks import foreign_locks, locks_factor
 from kiln.layout import CacheLayout
 from tests.first_process import serve_like_a_user
 
-pytestmark = [
-    pytest.mark.slow,
-    pytest.mark.skipif(os.geteuid() != 0, reason="acts as another user: needs root"),
-]
+pytestmark = pytest.mark.slow
+as_root = pytest.mark.skipif(os.geteuid() != 0, reason="acts as another user: needs root")
+not_root = pytest.mark.skipif(os.geteuid() == 0, reason="root opens any file: run as a user")
 NOBODY = 65534
 
 
@@ -73,6 +73,7 @@ def shared(baked) -> Iterator[tuple[Path, Path, Path]]:
         shutil.rmtree(base, ignore_errors=True)
 
 
+@as_root
 def test_another_users_kernel_locks_are_named_before_serving(
     shared: tuple[Path, Path, Path], tmp_path: Path
 ) -> None:
@@ -111,3 +112,24 @@ def test_another_users_kernel_locks_are_named_before_serving(
         True,
         f"another user's: {len(left)}, e.g. {locks / left[0]} (uid 0's)",
     ]
+
+
+@not_root
+def test_kernel_locks_this_user_cannot_write_are_named_before_serving(
+    shared: tuple[Path, Path, Path], tmp_path: Path
+) -> None:
+    spec, dest, locks = shared
+    served = serve_like_a_user(spec, dest, tmp_path / "first-run")
+    assert served.returncode == 0, served.stderr
+    left = sorted(locks.iterdir())
+    assert left and foreign_locks(CacheLayout(dest)) == []
+    for lock in left:  # what another user's 0644 file is to this one: not writable
+        lock.chmod(0o444)
+    assert foreign_locks(CacheLayout(dest)) == left
+    factor = locks_factor(CacheLayout(dest))
+    assert factor is not None and factor.causes_miss
+    with pytest.raises(IncompatibleError, match=r"process\.locks: Inductor's kernel lock files"):
+        kiln.activate(dest, compat="ignore")
+    for lock in left:
+        lock.chmod(0o644)
+    assert foreign_locks(CacheLayout(dest)) == [] and locks_factor(CacheLayout(dest)) is None
