@@ -253,6 +253,35 @@ def test_verify_and_check_serve_the_route(aoti_baked, cli) -> None:
 
 
 @pytest.mark.slow
+def test_verify_names_another_model_and_an_unbaked_bucket_in_the_routes_words(
+    aoti_baked, tmp_path: Path, cli
+) -> None:
+    """A spec whose model has other weight shapes is the spec's problem (exit 2, at model:),
+    not a crash; a bucket no package serves is a call no package took (exit 6)."""
+    _, restored, _ = aoti_baked
+    wider = tmp_path / "wider.yaml"
+    wider.write_text(aoti_spec().replace("hidden: 32", "hidden: 64"))
+    run = cli("verify", wider, "--cache", restored)
+    assert run.returncode == 2, run.stderr[-2000:]
+    assert "Traceback" not in run.stderr
+    assert (
+        run.stderr.strip()
+        .splitlines()[-1]
+        .startswith(
+            f"kiln: error: {wider}:2:1: model: fc1.bias: the model's is [64] float32, the packages "
+            "were built for [32] float32"
+        )
+    ), run.stderr
+    more = tmp_path / "more.yaml"
+    more.write_text(aoti_spec(buckets="[2, 3, 4]"))
+    run = cli("verify", more, "--cache", restored, "--json")
+    assert run.returncode == 6, run.stderr[-2000:]
+    (line,) = json.loads(run.stdout)["failing"]
+    assert line.startswith("batch=4: ") and "calls no package took" in line, line
+    assert "the bake never compiled it" in line and "precompiled" not in line
+
+
+@pytest.mark.slow
 def test_inspect_says_how_the_route_serves(aoti_baked, cli) -> None:
     _, restored, _ = aoti_baked
     run = cli("inspect", restored, no_torch=True)
@@ -327,6 +356,151 @@ def test_one_ranged_program_with_embedded_weights(tmp_path: Path) -> None:
     run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
     assert run.returncode == 0, run.stderr[-3000:]
     assert run.stdout.split() == ["True", "0"]
+
+
+POINTWISE = """\
+import torch
+from torch import nn
+
+
+class Pointwise(nn.Module):
+    \"\"\"Elementwise from its first op: a fused kernel reads its input as the layout it was
+    exported with (an extern matmul first would read any strides).\"\"\"
+
+    def __init__(self):
+        super().__init__()
+        self.w = nn.Parameter(torch.linspace(0.5, 2.0, 16))
+
+    def forward(self, x):
+        return torch.cumsum(torch.sin(x) * self.w + 1, dim=-1)
+
+
+def make():
+    return Pointwise()
+"""
+
+SERVE_POINTWISE = """\
+import json, logging, sys
+import torch
+import kiln
+
+sys.path.insert(0, sys.argv[2])
+from pointwise import make
+logging.basicConfig(format="%(message)s")
+act = kiln.activate(sys.argv[1], compat="fail")
+model = make().eval()
+out = {}
+with torch.inference_mode():
+    served = act.compile(model)
+    wide = torch.randn(3, 4, 32)
+    inputs = {"contiguous": wide[:, :, :16].contiguous(), "sliced": wide[:, :, :16],
+              "transposed": torch.randn(3, 16, 4).transpose(1, 2)}
+    out["diff"] = {k: float((served(x=x) - model(x)).abs().max()) for k, x in inputs.items()}
+    out["between"] = float((served(x=wide[:2, :, :16]) - model(wide[:2, :, :16])).abs().max())
+    for name, call in [("seq", lambda: served(x=torch.randn(3, 5, 16))),
+                       ("twice", lambda: served(wide, x=wide)),
+                       ("policy", lambda: act.compile(model, on_miss="bogus"))]:
+        try:
+            call()
+        except Exception as exc:
+            out[name] = f"{type(exc).__name__}: {exc}"
+    strided = make().eval()
+    strided.w = torch.nn.Parameter(torch.linspace(0.5, 2.0, 32)[::2])  # not contiguous
+    x = inputs["contiguous"]
+    out["strided"] = float((act.compile(strided)(x=x) - strided(x)).abs().max())
+print(json.dumps(out))
+"""
+
+
+@pytest.mark.slow
+def test_served_inputs_of_any_layout_and_an_axis_of_one_size(tmp_path: Path, cli) -> None:
+    """A fused kernel reads its input as exported (dense): a slice or a transpose is served as
+    a dense copy, not read as garbage. ``dynamic: true`` with an axis of one size keeps that
+    axis static (export has no ``Dim`` of one size). Calls eager refuses are refused; weights
+    the packages read as copies are named. ``kiln check`` judges no Inductor cache location on
+    a route that reads none."""
+    (tmp_path / "pointwise.py").write_text(POINTWISE)
+    text = aoti_spec("pointwise", buckets="[1, 3]", dynamic="true")
+    text = text.replace(f"{MODELS}:tiny_mlp", "pointwise.py:make")
+    text = text.replace("  kwargs: {dim: 16, hidden: 32}\n  call_kwargs: {scale: 2.0}\n", "")
+    text = text.replace("[batch, 16]", "[batch, seq, 16]").replace(
+        "  batch: [1, 3]", "  batch: [1, 3]\n  seq: [4]"
+    )
+    (tmp_path / "spec.yaml").write_text(text)
+    bake = cli("bake", "spec.yaml", "-o", "p.kiln.tar.zst")
+    assert bake.returncode == 0, bake.stderr[-2000:]
+    assert cli("restore", "p.kiln.tar.zst", "--dest", "restored").returncode == 0
+    manifest = Manifest.model_validate_json((tmp_path / "restored/manifest.json").read_text())
+    assert manifest.aoti is not None
+    (program,) = manifest.aoti.programs
+    assert program.ranges == {"batch": [1, 3], "seq": [4, 4]}
+    run = subprocess.run(
+        [sys.executable, "-c", SERVE_POINTWISE, str(tmp_path / "restored"), str(tmp_path)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert run.returncode == 0, run.stderr[-3000:]
+    out = json.loads(run.stdout.strip().splitlines()[-1])
+    assert all(d < 1e-4 for d in out["diff"].values()), out["diff"]  # garbage differs by ~10
+    assert out["between"] < 1e-4
+    assert out["seq"].startswith("OffGridError: ") and "seq 4..4" in out["seq"]
+    assert out["twice"] == "TypeError: got multiple values for argument 'x'"
+    assert out["policy"].startswith("UsageError: on_miss='bogus'")
+    assert out["strided"] < 1e-4
+    assert "1 weight(s) are not contiguous (e.g. w): the packages read dense copies" in run.stderr
+    check = cli("check", "restored", "--json", env={"TORCHINDUCTOR_CACHE_DIR": str(tmp_path)})
+    assert check.returncode == 0, check.stdout + check.stderr[-2000:]
+
+
+SERVE_PADDED = """\
+import json, sys
+import torch
+import kiln
+
+sys.path.insert(0, sys.argv[2])
+from models import tiny_mlp
+model = tiny_mlp(16, 32).eval()
+served = kiln.activate(sys.argv[1], compat="fail").compile(model)
+with torch.inference_mode():
+    x = torch.randn(3, 16)
+    y = served(x=x)
+    out = {"shape": list(y.shape), "same": torch.allclose(y, model(x, scale=2.0), atol=1e-6),
+           "stats": served.stats.to_dict()}
+compiler = ("torch._dynamo", "torch._inductor")
+out["compiler"] = sorted(m for m in sys.modules if m.startswith(compiler))
+print(json.dumps(out))
+"""
+
+
+@pytest.mark.slow
+def test_a_padded_request_imports_no_compiler(tmp_path: Path) -> None:
+    """Padding on the AOT route: which outputs carry the padded axis is the bake's finding (on
+    fake tensors, which import Dynamo), recorded per bucket; the server pads, calls the
+    package and slices without a probe of its own, so it imports neither Dynamo nor Inductor."""
+    spec = tmp_path / "spec.yaml"
+    text = aoti_spec("padded", buckets="[2, 4]").replace("fill: randn}", "fill: randn, pad: 0}")
+    spec.write_text(text)
+    result = kiln.bake(spec, tmp_path / "p.kiln.tar.zst")
+    assert result is not None and result.manifest.aoti is not None
+    recorded = [c.model_dump() for c in result.manifest.aoti.carriers]
+    assert recorded == [
+        {"bucket": f"batch={b}", "axis": "batch", "by_size": False,
+         "outputs": [{"path": [], "dims": [0], "sliceable": True}]}
+        for b in (2, 4)
+    ]  # fmt: skip
+    kiln.restore(result.artifact, tmp_path / "restored")
+    run = subprocess.run(
+        [sys.executable, "-c", SERVE_PADDED, str(tmp_path / "restored"), str(MODELS.parent)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert run.returncode == 0, run.stderr[-3000:]
+    out = json.loads(run.stdout.strip().splitlines()[-1])
+    assert out["shape"] == [3, 16] and out["same"] is True
+    assert out["stats"]["padded"] == 1 and out["stats"]["probes"] == 0
+    assert out["compiler"] == []
 
 
 def test_a_ranged_program_is_not_sharded(tmp_path: Path) -> None:

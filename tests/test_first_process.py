@@ -104,8 +104,9 @@ def test_verify_names_a_kernel_the_folder_lost_and_leaves_the_folder_as_found(
 def test_a_lost_or_damaged_package_library_is_named_by_verify_and_by_the_server(
     aoti_baked, tmp_path, cli
 ) -> None:
-    """The AOT route has no kernel to rebuild: a package library deleted after restore makes
-    verify exit 6 naming it and the folder's drift (torch's dlopen traceback before), and a
+    """The AOT route has no kernel to rebuild: a package library deleted or truncated after
+    restore makes verify exit 6 naming it and the folder's drift (torch's dlopen traceback
+    before; a SIGBUS of the worker for a truncated one, which dlopen maps past its end), and a
     damaged one stops the user's server (kiln.activate(DIR).compile) with one line naming it."""
     spec, restored, manifest = aoti_baked
     art = restored.parent / f"{manifest.name}.kiln.tar.zst"
@@ -123,9 +124,23 @@ def test_a_lost_or_damaged_package_library_is_named_by_verify_and_by_the_server(
     assert "Traceback" not in proc.stderr
     assert digest_tree(dest) == found
 
+    dest = tmp_path / "truncated" / "cache"
+    kiln.restore(art, dest)
+    size = (dest / where).stat().st_size
+    assert program.library_bytes == size
+    with open(dest / where, "r+b") as library:
+        library.truncate(size // 2)
+    proc = cli("verify", spec, "--cache", dest, "--json")
+    assert proc.returncode == 6, proc.stderr
+    error = json.loads(proc.stdout)["error"]
+    assert f"AOTInductor package library {where} is {size // 2} bytes, the bake's was {size}" in (
+        error
+    )
+    assert f"~{where}" in error and "Traceback" not in proc.stderr
+
     dest = tmp_path / "damaged" / "cache"
     kiln.restore(art, dest)
-    (dest / where).write_bytes(b"not an ELF file")
+    (dest / where).write_bytes(b"not an ELF file".ljust(size, b"\0"))  # the size it should be
     served = serve_like_a_user(spec, dest, tmp_path / "run")
     assert served.returncode != 0
     assert f"PackageLoadError: AOTInductor package library {where} does not load (" in (

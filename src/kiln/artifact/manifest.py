@@ -214,6 +214,32 @@ class AotiProgram(_Model):
     library: str = Field(max_length=255, pattern=r"^[^/\\]+\.so$")
     buckets: list[str] = Field(max_length=4096)
     ranges: dict[str, list[int]] | None = Field(None, description="axis: [low, high]")
+    # Checked before the library is opened: a truncated library is not refused by dlopen but
+    # maps past its end, and the process dies of SIGBUS at its first page fault there.
+    library_bytes: int | None = Field(None, ge=0, description="the library's size in bytes")
+
+
+class PadOutput(_Model):
+    """One output of a bucket's call (``path``: its place in the output, e.g. ``["logits"]``)
+    and the dims of it that move one for one with a padded axis: sliced back to a request's
+    size. ``sliceable`` false: the output moves with the axis otherwise (``2 * seq``, a strided
+    convolution), so it is returned padded, with a warning."""
+
+    path: list[str] = Field(max_length=64)
+    dims: list[int] = Field(max_length=64)
+    sliceable: bool = True
+
+
+class PadCarriers(_Model):
+    """Which outputs of ``bucket``'s call carry ``axis`` (kiln.compiler.padded): found by the
+    bake on fake tensors, so a padded server of the AOT route, which imports no Dynamo, has no
+    fake-tensor probe to run. ``by_size``: the probe failed (the model reads data): a dim whose
+    size is the padded size carries it."""
+
+    bucket: str = Field(max_length=1024)
+    axis: str = Field(max_length=256)
+    outputs: list[PadOutput] = Field(default_factory=list, max_length=4096)
+    by_size: bool = False
 
 
 class Aoti(_Model):
@@ -229,6 +255,8 @@ class Aoti(_Model):
     programs: list[AotiProgram] = Field(max_length=4096)
     # external weights: each constant a package reads from the model, by its name there
     constants: dict[str, TensorMeta] = Field(default_factory=dict)
+    # a spec that pads: each bucket's outputs that carry each padded axis
+    carriers: list[PadCarriers] = Field(default_factory=list, max_length=MAX_FILES)
 
 
 class Bytecode(_Model):

@@ -626,10 +626,14 @@ def _aoti(inputs: list[_Input], grid: list[BucketStats]) -> dict[str, Any] | Non
     constants: dict[str, Any] = {}
     for a in shipped:
         constants.update(a.constants)
+    carriers = sorted(
+        (c for a in shipped for c in a.carriers), key=lambda c: (order.get(c.bucket, 0), c.axis)
+    )
     first = shipped[0].model_dump()
     return first | {
         "programs": [p.model_dump() for p in programs],
         "constants": {k: v.model_dump() for k, v in sorted(constants.items())},
+        "carriers": [c.model_dump() for c in carriers],
     }
 
 

@@ -109,9 +109,12 @@ class Activation:
         """
         from kiln.compiler.padded import with_padding
 
-        if self.manifest.aoti is not None:
+        if self.manifest.aoti is not None:  # what the bake found of the outputs: no probe here
             served = self._packages(model, on_miss)
-            return with_padding(served, model, self.manifest, on_miss=on_miss, keep=keep)
+            carriers = served.info.carriers
+            return with_padding(
+                served, model, self.manifest, on_miss=on_miss, keep=keep, carriers=carriers
+            )
         compiled = self._compiled(model)
         return with_padding(compiled, model, self.manifest, on_miss=on_miss, keep=keep)
 

@@ -31,6 +31,7 @@ from kiln.artifact.manifest import Aoti, AotiInput, AotiProgram, TensorMeta
 from kiln.compiler.aoti_serve import AotiModel, dtype_name, model_tensors
 from kiln.compiler.failures import SpecProblem, one_line
 from kiln.layout import CacheLayout
+from kiln.padding import PadGrid
 
 # A package's path in the manifest is relative to its layout's folder (a rank's, or the root).
 _TOP = CacheLayout()
@@ -97,8 +98,10 @@ class AotiBuilder:
         weights: str,
         ranges: dict[str, list[int]] | None,
         base: Path | None,
+        pads: PadGrid | None = None,
     ) -> None:
         self.model = model
+        self.pads = pads  # a spec that pads: each bucket's carriers are recorded (padded.py)
         self.out = out
         self.axes = axes
         self.device, self.device_index = device, device_index
@@ -133,6 +136,10 @@ class AotiBuilder:
         """Build the package that serves ``example``'s bucket (a ranged program: the first
         call builds it for the whole grid, later buckets only add their key to it)."""
         key = self.key_of(example)
+        if self.pads is not None:
+            from kiln.compiler.padded import bake_carriers
+
+            self.info.carriers += bake_carriers(self.model, self.pads, key, example)
         if self.ranges is not None and self.info.programs:
             program = self.info.programs[0]
             program.buckets.append(key)
@@ -141,7 +148,13 @@ class AotiBuilder:
             traced = self._largest(example) if self.ranges is not None else example
             library = self._build(traced, self.out / name)
             folder = _TOP.member(_TOP.aoti / name)
-            program = AotiProgram(path=folder, library=library, buckets=[key], ranges=self.ranges)
+            program = AotiProgram(
+                path=folder,
+                library=library,
+                buckets=[key],
+                ranges=self.ranges,
+                library_bytes=(self.out / name / library).stat().st_size,
+            )
             self.info.programs.append(program)
         self.served = AotiModel(
             self.model, self.info, self.out.parent, device_index=self.device_index
@@ -185,15 +198,18 @@ class AotiBuilder:
         return out
 
     def _dynamic_shapes(self, example: dict[str, Any]) -> dict[str, Any] | None:
-        """One ``Dim`` per axis over its grid range, shared by every input that has the axis."""
+        """One ``Dim`` per axis over its grid range, shared by every input that has the axis;
+        an axis of one size stays static (export has no ``Dim`` with min == max)."""
         if self.ranges is None:
             return None
         import torch
 
-        dims = {a: torch.export.Dim(a, min=lo, max=hi) for a, (lo, hi) in self.ranges.items()}
+        dims = {
+            a: torch.export.Dim(a, min=lo, max=hi) for a, (lo, hi) in self.ranges.items() if lo < hi
+        }
         out: dict[str, Any] = {name: None for name in example}
         for spec_input in self.info.inputs:
-            named = {i: dims[d] for i, d in enumerate(spec_input.shape) if isinstance(d, str)}
+            named = {i: dims[d] for i, d in enumerate(spec_input.shape) if d in dims}
             out[spec_input.name] = named or None
         return out
 

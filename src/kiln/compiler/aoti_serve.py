@@ -42,19 +42,22 @@ from typing import TYPE_CHECKING, Any
 
 from kiln.artifact.manifest import Aoti, AotiInput, AotiProgram, Manifest
 from kiln.compiler.failures import one_line
-from kiln.errors import KilnError, PackageLoadError
+from kiln.errors import PackageLoadError, UsageError
 from kiln.grid import Bucket
 from kiln.layout import CacheLayout
 from kiln.padding import OffGridError
+from kiln.serving import ON_MISS
 
 if TYPE_CHECKING:
     from kiln.spec import Spec
 
 log = logging.getLogger("kiln")
+MISS_POLICIES = tuple(p for p in ON_MISS if p != "compile")  # no compiler to call here
 
 
-class WeightsMismatchError(KilnError, ValueError):
-    """The serving model's weights are not the shapes or dtypes the packages were built for."""
+class WeightsMismatchError(UsageError, ValueError):
+    """The serving model's weights are not the shapes or dtypes the packages were built for:
+    the caller's model is not the baked one (exit 2)."""
 
 
 @dataclass
@@ -110,13 +113,20 @@ def runner_for(library: Path, device: str, device_index: int) -> Any:
     return torch._C._aoti.AOTIModelContainerRunnerCpu(str(library), 1)
 
 
-def _load(library: Path, where: str, device: str, device_index: int) -> Any:
-    """:func:`runner_for`, with a library that is missing, or that dlopen refuses as a file
-    (torch's ``Error in dlopen: LIBRARY: …``), named (``where``: its path in the restored
-    folder) as a :class:`~kiln.errors.PackageLoadError`. Any other failure (a library it needs
-    missing from the image, the device, memory) is torch's own error, unchanged."""
+def _load(
+    library: Path, where: str, device: str, device_index: int, size: int | None = None
+) -> Any:
+    """:func:`runner_for`, with a library that is missing, not the ``size`` the bake made it
+    (truncated: dlopen maps it anyway and the process dies of SIGBUS), or that dlopen refuses
+    as a file (torch's ``Error in dlopen: LIBRARY: …``), named (``where``: its path in the
+    restored folder) as a :class:`~kiln.errors.PackageLoadError`. Any other failure (a library
+    it needs missing from the image, the device, memory) is torch's own error, unchanged."""
     if not library.is_file():
         raise PackageLoadError(f"AOTInductor package library {where} is missing")
+    if size is not None and (found := library.stat().st_size) != size:
+        raise PackageLoadError(
+            f"AOTInductor package library {where} is {found} bytes, the bake's was {size}"
+        )
     try:
         return runner_for(library, device, device_index)
     except RuntimeError as exc:
@@ -175,10 +185,16 @@ class AotiModel:
         import torch
         import torch.utils._pytree as pytree  # torch's own import already loaded it
 
+        if on_miss not in ("", *MISS_POLICIES):
+            raise UsageError(
+                f"on_miss={on_miss!r}: compile.route: aoti serves without a compiler: one of "
+                f"{', '.join(MISS_POLICIES)}"
+            )
         self.model = model
         self.info = info
         self.on_miss = on_miss or info.on_miss
         self.misses = 0
+        self._missed: set[str] = set()  # what each logged miss was, once each
         self.names = [i.name for i in info.inputs]
         device = torch.device(info.device, device_index if info.device == "cuda" else None)
         self._device = device
@@ -190,7 +206,7 @@ class AotiModel:
         for p in info.programs:
             library = folder / p.path / p.library
             where = f"{shown}{p.path}/{p.library}"
-            runner = _load(library, where, info.device, device_index)
+            runner = _load(library, where, info.device, device_index, p.library_bytes)
             if self._weights:
                 constants, missing = constants_for(runner, self._weights)
                 if missing:  # the bake checked this against the same model: a changed model
@@ -213,6 +229,7 @@ class AotiModel:
         non-contiguous ones copied (a runner reads them as dense)."""
         tensors = model_tensors(model)
         out: dict[str, Any] = {}
+        copied: list[str] = []
         for fqn, meta in self.info.constants.items():
             t = tensors.get(fqn)
             if t is None:
@@ -230,7 +247,17 @@ class AotiModel:
                     f"{fqn} is on {t.device}, the packages run on {self._device}: move the "
                     "model first"
                 )
-            out[fqn] = t.detach() if t.is_contiguous() else t.detach().contiguous()
+            if not t.is_contiguous():
+                copied.append(fqn)
+            out[fqn] = t.detach().contiguous()  # the same tensor when it is contiguous
+        if copied:
+            log.warning(
+                "kiln: %d weight(s) are not contiguous (e.g. %s): the packages read dense "
+                "copies, so in-place updates of them are not seen; make them contiguous "
+                "before compile()",
+                len(copied),
+                copied[0],
+            )
         return out
 
     def _signature_of(self, key: str) -> tuple[tuple[int, ...], ...]:
@@ -244,6 +271,8 @@ class AotiModel:
             return self._miss(args, kwargs, f"{len(args)} positional inputs")
         extra = {}
         for name, value in kwargs.items():
+            if name in inputs:  # as the model's own forward() would refuse it
+                raise TypeError(f"got multiple values for argument {name!r}")
             if name in self.names:
                 inputs[name] = value
             else:
@@ -257,7 +286,9 @@ class AotiModel:
         program = self._pick(inputs)
         if program is None:
             return self._miss(args, kwargs, self._shown(inputs))
-        outputs = program.runner.run([inputs[n] for n in self.names])
+        # A runner reads every input as dense, in the layout it was exported with: a slice,
+        # a transpose or channels_last would be read as garbage, so it gets a dense copy.
+        outputs = program.runner.run([inputs[n].contiguous() for n in self.names])
         return self._unflatten(outputs, program.out_spec)
 
     def _pick(self, inputs: dict[str, Any]) -> _Program | None:
@@ -294,7 +325,8 @@ class AotiModel:
                 f"no baked AOTInductor package takes these inputs ({what}; the grid: "
                 f"{self.grid()}): on_miss: eager serves them with the model's forward"
             )
-        if self.misses == 1:
+        if what not in self._missed:
+            self._missed.add(what)
             log.warning("kiln: no baked package takes these inputs (%s): running eagerly", what)
         return self.model(*args, **kwargs)
 

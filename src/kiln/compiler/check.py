@@ -36,6 +36,7 @@ class CheckReport:
     factors: list[Factor]
     baked: dict[str, Any] = field(repr=False)
     here: dict[str, Any] = field(repr=False)
+    route: str = "compile"  # the artifact's compile.route: what a miss stops
 
     @property
     def differing(self) -> list[Factor]:
@@ -56,7 +57,10 @@ class CheckReport:
         :func:`kiln.activate` raises or warns with it, so both point at the same fix.
         """
         names = ", ".join(f"{f.name} (baked {f.baked!r}, here {f.here!r})" for f in self.misses)
-        return f"{self.name}: caches will miss: {names}"
+        what = "caches will miss"
+        if self.route == "aoti":
+            what = "AOTInductor packages cannot serve here"
+        return f"{self.name}: {what}: {names}"
 
     def error(self) -> IncompatibleError:
         """:meth:`miss_message` as the exit-5 error, with this report as its JSON detail."""
@@ -105,7 +109,7 @@ def compare_manifest(
                 "disables every cache: nothing can hit",
             )
         )
-    return CheckReport(manifest.name, factors, baked, here)
+    return CheckReport(manifest.name, factors, baked, here, route)
 
 
 def _frames_python(factor: Factor) -> Factor:
@@ -194,9 +198,11 @@ def check(
     report = compare_manifest(
         manifest, here, rank=rank, world_size=world_size, workdir=workdir or logical_cwd()
     )
-    if where is not None:
-        report.factors.append(where)
-    if manifest.aoti is None:  # the aoti route starts no Inductor, so has no pool to race
+    # The aoti route reads no Inductor cache (so TORCHINDUCTOR_CACHE_DIR elsewhere is no miss)
+    # and starts no Inductor, so has no pool to race.
+    if manifest.aoti is None:
+        if where is not None:
+            report.factors.append(where)
         layout = served_layout(target, manifest, rank)
         report.factors.extend(serving_env_factors(os.environ, device))
         report.factors.extend(moved_cache_factors(os.environ, layout.inductor if layout else None))

@@ -6,8 +6,9 @@ packages, or (the activate route) what ``kiln.activate().compile()`` returns; ea
 
 from __future__ import annotations
 
+import contextlib
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -17,6 +18,7 @@ from kiln.compiler.measure import Forward
 from kiln.compiler.protocol import WorkerRequest
 from kiln.compiler.ranks import Rank
 from kiln.layout import CacheLayout
+from kiln.padding import PadGrid
 from kiln.spec import Spec
 
 if TYPE_CHECKING:
@@ -65,6 +67,18 @@ def make_forward(
         raise SpecProblem(key, f"torch.compile refused it: {message}") from exc
 
 
+@contextlib.contextmanager
+def _model_as_baked() -> Iterator[None]:
+    """The spec's model not the one the packages were built for (its weights' shapes or
+    dtypes): the spec's problem, at ``model`` (exit 2), not a crash."""
+    from kiln.compiler.aoti_serve import WeightsMismatchError
+
+    try:
+        yield
+    except WeightsMismatchError as exc:
+        raise SpecProblem("model", str(exc)) from exc
+
+
 def _activated(
     activation: Activation, model: Any, call_kwargs: dict[str, Any], sync: Callable[[], None]
 ) -> Forward:
@@ -73,7 +87,8 @@ def _activated(
     from kiln.compiler.precompile import PrecompiledForward
 
     t0 = time.time()
-    fn = activation.compile(model)
+    with _model_as_baked():
+        fn = activation.compile(model)
     if activation.manifest.aoti is not None:  # compile.route: aoti: the packages, loaded
         from kiln.compiler.aoti_serve import AotiModel
 
@@ -120,6 +135,7 @@ def _aoti_forward(
         weights=build.weights,
         ranges={a: [min(s), max(s)] for a, s in spec.buckets.items()} if build.ranged else None,
         base=spec.base_dir.resolve(),
+        pads=PadGrid.from_spec(spec) if spec.paddable_axes() else None,
     )
 
     def served(*args: Any, **kwargs: Any) -> Any:
@@ -154,13 +170,11 @@ def _aoti_served(
             rank = launched.rank
         aoti = aoti_serve.served_packages(manifest, rank)
     t0 = time.time()
-    try:
+    with _model_as_baked():
         # A miss is counted as one (verify fails on it) rather than raised mid-pass.
         served = aoti_serve.AotiModel(
             model, aoti, CacheLayout(folder, rank).dir, device_index=index, on_miss="eager"
         )
-    except aoti_serve.WeightsMismatchError as exc:
-        raise SpecProblem("model", str(exc)) from exc
     forward = Forward(served, call_kwargs, sync, aoti=served)
     forward.load_s = time.time() - t0
     return forward

@@ -16,9 +16,11 @@ torch's fake tensor mode (shapes only, no data, no kernels) with that axis at th
 size, and a dimension whose size moves one for one with the axis is sliced to the request's
 size. A dimension that moves otherwise (``2 * seq``, a strided convolution, ``batch * seq``
 flattened) cannot be unpadded by slicing: it is returned as the bucket gave it, and a warning
-names it once. Outputs may be tensors, tuples, lists, dicts, named tuples and dataclasses
-(Hugging Face ``ModelOutput`` included), nested; anything else is returned as it is. ``keep``
-opts outputs out by path (``"logits"``, ``"0"``, ``"hidden.1"``).
+names it once. On the AOT route the bake finds them instead (:func:`bake_carriers`, recorded
+in the manifest): fake tensors import Dynamo, which that route's server never does. Outputs
+may be tensors, tuples, lists, dicts, named tuples and dataclasses (Hugging Face
+``ModelOutput`` included), nested; anything else is returned as it is. ``keep`` opts outputs
+out by path (``"logits"``, ``"0"``, ``"hidden.1"``).
 
 A request no bucket holds follows ``on_miss`` (:data:`kiln.serving.OnMiss`): ``error`` raises
 :class:`~kiln.padding.OffGridError`, ``eager`` runs the uncompiled model, ``compile`` calls the
@@ -37,12 +39,13 @@ import inspect
 import logging
 import time
 from collections import Counter
-from collections.abc import Callable, Collection, Iterator
+from collections.abc import Callable, Collection, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from kiln.artifact.manifest import Manifest
+from kiln.artifact.manifest import Manifest, PadCarriers, PadOutput
 from kiln.errors import IntegrityError
+from kiln.grid import Bucket
 from kiln.padding import OffGridError, PadGrid, ShapeError, shape_key, work
 from kiln.serving import DEFAULT_ON_MISS, ON_MISS, OnMiss
 
@@ -96,6 +99,7 @@ class PaddedModel:
         *,
         on_miss: OnMiss = DEFAULT_ON_MISS,
         keep: Collection[str] = (),
+        carriers: Sequence[PadCarriers] = (),
     ) -> None:
         if on_miss not in ON_MISS:
             raise ValueError(f"on_miss={on_miss!r}: one of {', '.join(ON_MISS)}")
@@ -105,6 +109,10 @@ class PaddedModel:
         self._names = [i.name for i in grid.inputs]
         self._signature = _signature(model)
         self._carriers: dict[tuple[tuple[int, ...], str], _Carriers] = {}
+        for record in carriers:  # found by the bake: no probe here
+            sizes = Bucket.parse(record.bucket).as_dict()
+            point = tuple(sizes[a] for a in grid.axes)
+            self._carriers[(point, record.axis)] = _Carriers.from_record(record)
         self._warned: set[str] = set()
 
     def __getattr__(self, name: str) -> Any:
@@ -228,27 +236,11 @@ class PaddedModel:
     ) -> _Carriers:
         """Which output dimensions carry ``axis`` at ``bucket`` (whose outputs have the shapes
         ``at_bucket``): the eager model run once on fake tensors with ``axis`` at ``size``."""
-        import torch
-        from torch._subclasses.fake_tensor import FakeTensorMode
-
         self.stats.probes += 1
-        moved = {**bucket, axis: size}
         try:
-            with FakeTensorMode(allow_non_fake_inputs=True):
-                fake = dict(kwargs)
-                for inp in self.grid.inputs:
-                    real = kwargs.get(inp.name)
-                    if isinstance(real, torch.Tensor):
-                        shape = self.grid.shape_of(inp, moved)
-                        fake[inp.name] = torch.empty(shape, dtype=real.dtype, device=real.device)
-                out = self.model(**fake)
-                shapes = {p: tuple(t.shape) for p, t in tensor_leaves(out)}
+            shapes = fake_shapes(self.model, self.grid, {**bucket, axis: size}, kwargs)
         except Exception as exc:  # the model does something fake tensors cannot (data access)
-            self._warn_once(
-                f"probe:{axis}",
-                f"could not trace output shapes on fake tensors ({type(exc).__name__}: "
-                f"{_first_line(exc)}): slicing dimensions whose size is the padded {axis}",
-            )
+            self._warn_once(f"probe:{axis}", _unprobed(axis, exc))
             return _Carriers(by_size=True)
         return _Carriers.compare(at_bucket, shapes, bucket[axis], size)
 
@@ -295,6 +287,78 @@ class _Carriers:
         if self.by_size:
             return tuple(d for d, n in enumerate(shape) if n == bucket_size)
         return self.dims.get(path, ())
+
+    def recorded(self, bucket: str, axis: str) -> PadCarriers:
+        """As the manifest records it (the AOT route's bake)."""
+        outputs = [
+            PadOutput(path=list(path), dims=list(self.dims.get(path, ())), sliceable=False)
+            for path in sorted(self.unsliceable)
+        ]
+        outputs += [
+            PadOutput(path=list(path), dims=list(dims))
+            for path, dims in self.dims.items()
+            if path not in self.unsliceable
+        ]
+        return PadCarriers(bucket=bucket, axis=axis, outputs=outputs, by_size=self.by_size)
+
+    @classmethod
+    def from_record(cls, record: PadCarriers) -> _Carriers:
+        return cls(
+            {tuple(o.path): tuple(o.dims) for o in record.outputs},
+            frozenset(tuple(o.path) for o in record.outputs if not o.sliceable),
+            record.by_size,
+        )
+
+
+def fake_shapes(
+    model: Any, grid: PadGrid, sizes: dict[str, int], kwargs: dict[str, Any]
+) -> dict[Path, tuple[int, ...]]:
+    """The shapes of ``model``'s outputs with its inputs at ``sizes``, from one run on fake
+    tensors (shapes only, no data, no kernels); raises what the forward raises there."""
+    import torch
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    with FakeTensorMode(allow_non_fake_inputs=True):
+        fake = dict(kwargs)
+        for inp in grid.inputs:
+            real = kwargs.get(inp.name)
+            if isinstance(real, torch.Tensor):
+                shape = grid.shape_of(inp, sizes)
+                fake[inp.name] = torch.empty(shape, dtype=real.dtype, device=real.device)
+        out = model(**fake)
+        return {p: tuple(t.shape) for p, t in tensor_leaves(out)}
+
+
+def bake_carriers(
+    model: Any, grid: PadGrid, bucket: str, kwargs: dict[str, Any]
+) -> list[PadCarriers]:
+    """What :meth:`PaddedModel._probe` finds at run time, found by the bake instead: for each
+    padded axis of ``bucket`` (the call's inputs ``kwargs``), the outputs at the bucket against
+    those at one less along the axis, on fake tensors. For the AOT route, whose server imports
+    no Dynamo, which fake tensors would import (1.7 s on the CPU). A dim that moves one for one
+    with the axis at one size less does at any size: slicing is by the request's size."""
+    sizes = Bucket.parse(bucket).as_dict()
+    out: list[PadCarriers] = []
+    for axis in sorted(grid.paddable):
+        if sizes[axis] < 2:  # no request is smaller: nothing is padded into it
+            continue
+        try:
+            at = fake_shapes(model, grid, sizes, kwargs)
+            moved = fake_shapes(model, grid, {**sizes, axis: sizes[axis] - 1}, kwargs)
+        except Exception as exc:  # as at run time: the server slices by size, and says so
+            log.warning("kiln: %s: %s", bucket, _unprobed(axis, exc))
+            found = _Carriers(by_size=True)
+        else:
+            found = _Carriers.compare(at, moved, sizes[axis], sizes[axis] - 1)
+        out.append(found.recorded(bucket, axis))
+    return out
+
+
+def _unprobed(axis: str, exc: BaseException) -> str:
+    return (
+        f"could not trace output shapes on fake tensors ({type(exc).__name__}: "
+        f"{_first_line(exc)}): slicing dimensions whose size is the padded {axis}"
+    )
 
 
 def _pad(tensor: Any, shape: tuple[int, ...], value: Any) -> Any:
@@ -374,9 +438,11 @@ def with_padding(
     *,
     on_miss: OnMiss | None = None,
     keep: Collection[str] = (),
+    carriers: Sequence[PadCarriers] = (),
 ) -> Callable[..., Any]:
     """``compiled`` wrapped in :class:`PaddedModel` when ``manifest``'s spec pads an axis,
-    else as it is. ``on_miss`` defaults to the spec's ``compile.on_miss``, else ``error``."""
+    else as it is. ``on_miss`` defaults to the spec's ``compile.on_miss``, else ``error``;
+    ``carriers``: what the bake found of the outputs (the AOT route's packages)."""
     inputs = manifest.spec.get("inputs")
     if not isinstance(inputs, list) or not any(
         isinstance(i, dict) and i.get("pad") is not None for i in inputs
@@ -388,4 +454,4 @@ def with_padding(
     policy = on_miss or (manifest.spec.get("compile") or {}).get("on_miss") or DEFAULT_ON_MISS
     if policy not in ON_MISS:
         raise IntegrityError(f"{manifest.name}: on_miss {policy!r} is not one of {ON_MISS}")
-    return PaddedModel(compiled, model, grid, on_miss=policy, keep=keep)
+    return PaddedModel(compiled, model, grid, on_miss=policy, keep=keep, carriers=carriers)

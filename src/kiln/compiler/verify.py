@@ -31,9 +31,16 @@ from kiln.artifact.restore import read_installed
 from kiln.compiler.check import CheckReport, compare_manifest
 from kiln.compiler.dynamo_log import RESUME_FRAME
 from kiln.compiler.launch import WorkerRun, run_worker
+from kiln.compiler.process import WorkerError
 from kiln.compiler.protocol import WorkerRequest, input_stream
 from kiln.compiler.writes import driver_jit, in_driver_cache
-from kiln.errors import IncompatibleError, NotFoundError, PackageLoadError, UsageError
+from kiln.errors import (
+    IncompatibleError,
+    NotFoundError,
+    PackageLoadError,
+    UsageError,
+    VerificationError,
+)
 from kiln.events import EventSink, SpecDiffers
 from kiln.files import atomic_write
 from kiln.grid import expand, off_grid, ordered
@@ -101,9 +108,15 @@ class VerifyReport:
             changed.append(describe_locks([Path(p) for p in self.foreign_locks]))
         if self.failing and self.extra.get("unserved_workdir"):
             changed.append(self.extra["unserved_workdir"])
+        route = self.check.route if self.check else "compile"
         return changed + [
             explain(
-                b, graphs, self.graph_breaks, off_grid(b.sizes, self.baked_grid), ", ".join(misses)
+                b,
+                graphs,
+                self.graph_breaks,
+                off_grid(b.sizes, self.baked_grid),
+                ", ".join(misses),
+                route=route,
             )
             for b in self.failing
         ]
@@ -128,12 +141,22 @@ class VerifyReport:
         }
 
 
+# What a precompile_misses count is: a precompiled forward's miss, or on the AOT route a call
+# that no package took.
+_MISS_WORDS = (
+    ("precompiled miss", "precompiled misses"),
+    ("call no package took", "calls no package took"),
+)
+
+
 def explain(
     bucket: BucketStats,
     factors: str = "",
     breaks: Sequence[GraphBreak] = (),
     outside: str | None = None,
     driver_factors: str = "",
+    *,
+    route: str = "compile",
 ) -> str:
     """One line on what compiled in ``bucket`` and the most specific cause we know.
 
@@ -144,13 +167,14 @@ def explain(
     re-tuning or rebuilding. ``outside`` (:func:`kiln.grid.off_grid`) says the bucket was never
     baked: that is the cause, whatever guard torch quotes. ``driver_factors``: the factors that
     differ for the CUDA driver's JIT cache (``factors`` and the working directory).
+    ``route``: the artifact's; on ``aoti`` a miss is a call no package took (served eagerly).
     """
     b = bucket
     graphs = b.fx_misses + b.fx_bypass + b.aot_misses + b.precompile_misses
     counts = (
         (b.fx_misses + b.fx_bypass, "FX graph", "FX graphs"),
         (b.aot_misses, "AOT graph", "AOT graphs"),
-        (b.precompile_misses, "precompiled miss", "precompiled misses"),
+        (b.precompile_misses, *_MISS_WORDS[route == "aoti"]),
         (b.new_native, "kernel binary", "kernel binaries"),
         (b.launchers, "native helper built with gcc", "native helpers built with gcc"),
         (b.autotunes, "autotune run", "autotune runs"),
@@ -324,6 +348,11 @@ def verify(
         if not changes:
             raise
         raise PackageLoadError(exc.problem, advice=changed_line(changes)) from exc
+    except WorkerError as exc:  # a crash (a damaged library's SIGBUS): likely what changed
+        if not changes:
+            raise
+        first = exc.message.splitlines()[0].rstrip(": ")
+        raise VerificationError(f"{first}: {changed_line(changes)}") from exc
     # The route the artifact is made for leads the timings.
     lead = next((run for route, run in runs if route == made_for(manifest)), runs[0][1])
     report = VerifyReport(
