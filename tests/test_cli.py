@@ -331,6 +331,33 @@ def test_check_of_a_moved_folder_is_exit_5_naming_the_cache_location(cli, tmp_pa
     assert f"will hit here once the server sources {moved}/kiln.env or calls" in verdict, verdict
 
 
+def test_verify_names_a_moved_folder_by_the_path_its_kiln_env_names(tmp_path: Path) -> None:
+    """A folder moved, copied or mounted at another path than restore wrote it for is not
+    "something wrote into it": its kiln.env names the other path, and verify says so."""
+    import shutil
+
+    from kiln.artifact.archive import read_manifest
+    from kiln.artifact.restore import restore
+    from kiln.compiler.verify import changed_line, folder_changes, moved_env
+    from tests.archives import good_archive
+
+    first = tmp_path / "first"
+    restore(good_archive(tmp_path / "a.kiln.tar.zst"), first)
+    moved = tmp_path / "moved"
+    shutil.copytree(first, moved, symlinks=True)
+    changes = folder_changes(moved, read_manifest(moved))
+    assert changes == ["~kiln.env"] and moved_env(moved, changes) == str(first)
+    assert changed_line(changes, str(first)).startswith(
+        f"kiln.env names {first}, where the folder was restored, not this path (moved, copied "
+        "or mounted elsewhere)"
+    )
+    with open(first / "kiln.env", "a") as env:  # edited where it was restored: no other path
+        env.write("export X=1\n")
+    edited = folder_changes(first, read_manifest(first))
+    assert edited == ["~kiln.env"] and moved_env(first, edited) is None
+    assert "something wrote into it" in changed_line(edited, None)
+
+
 def test_check_names_a_serving_setting_the_server_overrides() -> None:
     from kiln.compiler.check import serving_env_factors
 

@@ -216,6 +216,8 @@ def location_env(layout: CacheLayout) -> dict[str, str]:
 # unsets them, activate() drops them from the process's environment, ``kiln check`` names one
 # that is set; bake and verify workers never inherit them (:func:`worker_env`).
 UNSET_ENV = ("TRITON_CACHE_DIR",)
+# The restored folder, as kiln.env and activate() export it (for a K-rank artifact, the top).
+CACHE_DIR_VAR = "KILN_CACHE_DIR"
 
 
 def cache_env(dest: Path, env: Mapping[str, str], rank: int | None = None) -> dict[str, str]:
@@ -224,13 +226,13 @@ def cache_env(dest: Path, env: Mapping[str, str], rank: int | None = None) -> di
     ``env`` is the manifest's, already checked by :func:`~kiln.envrules.env_key_problem`; then
     :data:`SERVING_ENV`; kiln's own locations come last so nothing can override them. ``rank``:
     this process's rank in a K-rank artifact (its caches are in its :class:`CacheLayout`);
-    ``KILN_CACHE_DIR`` stays the restored folder.
+    :data:`CACHE_DIR_VAR` stays the restored folder.
     """
     return {
         **env,
         **SERVING_ENV,
         **location_env(CacheLayout(dest, rank)),
-        "KILN_CACHE_DIR": str(dest),
+        CACHE_DIR_VAR: str(dest),
     }
 
 

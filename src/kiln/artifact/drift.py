@@ -12,6 +12,7 @@ what this kiln writes for DEST's path (:func:`env_drift`).
 from __future__ import annotations
 
 import os
+import shlex
 import stat
 from collections.abc import Iterable
 from dataclasses import dataclass, field
@@ -20,7 +21,7 @@ from pathlib import Path
 from kiln.artifact.archive import sha256_file
 from kiln.artifact.manifest import FileEntry, Manifest
 from kiln.layout import ENV_NAME, LOCKS_TARGET, RESERVED_NAMES, CacheLayout, lock_links
-from kiln.serving import env_file_text
+from kiln.serving import CACHE_DIR_VAR, env_file_text
 
 
 @dataclass(frozen=True)
@@ -107,6 +108,23 @@ def kiln_env(dest: Path, manifest: Manifest) -> str:
     return env_file_text(
         Path(dest).absolute(), manifest.name, manifest.env, manifest.rank_world, keyed_by
     )
+
+
+def env_folder(dest: Path) -> str | None:
+    """The folder ``dest``'s ``kiln.env`` was written for (its ``KILN_CACHE_DIR``), None where
+    it names none: for a drifted env file, whether the folder was moved (or mounted at another
+    path) rather than the file edited."""
+    try:
+        text = CacheLayout(dest).env_file.read_text(errors="replace")
+    except OSError:
+        return None
+    for line in text.splitlines():
+        if line.startswith(f"export {CACHE_DIR_VAR}="):
+            try:
+                return shlex.split(line.split("=", 1)[1])[0]
+            except (ValueError, IndexError):
+                return None
+    return None
 
 
 def env_drift(dest: Path, manifest: Manifest) -> bool | None:

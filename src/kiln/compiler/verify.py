@@ -25,7 +25,7 @@ from typing import Any
 
 from kiln import bytecode
 from kiln.artifact.archive import read_manifest
-from kiln.artifact.drift import changes
+from kiln.artifact.drift import changes, env_folder
 from kiln.artifact.manifest import BucketStats, GraphBreak, Manifest
 from kiln.artifact.restore import read_installed
 from kiln.compiler.check import CheckReport, compare_manifest
@@ -46,7 +46,7 @@ from kiln.files import atomic_write
 from kiln.grid import expand, off_grid, ordered
 from kiln.kernel_locks import describe as describe_locks
 from kiln.kernel_locks import foreign_locks
-from kiln.layout import CUDA_CACHE_DIR, INDUCTOR_DIR, CacheLayout, lock_links
+from kiln.layout import CUDA_CACHE_DIR, ENV_NAME, INDUCTOR_DIR, CacheLayout, lock_links
 from kiln.serving import cache_env, served_torch_kwargs
 from kiln.spec import Spec, differing_keys, load_spec
 from kiln.workdir import FACTOR as WORKDIR_FACTOR
@@ -73,6 +73,7 @@ class VerifyReport:
     # How the folder differs from what restore installed (files added, removed, changed).
     folder_changes: list[str] = field(default_factory=list)
     spec_differs: list[str] = field(default_factory=list)  # dotted keys, when not spec_matches
+    env_names: str | None = None  # the folder a changed kiln.env names, when not this one
     # Kernel lock files of the folder this user cannot open (kiln.kernel_locks): the served
     # copy has its own, so its buckets pass, but a server of the folder would fail to load.
     foreign_locks: list[str] = field(default_factory=list)
@@ -103,7 +104,7 @@ class VerifyReport:
         misses = [f.name for f in self.check.misses] if self.check else []
         # The working directory keys no graph (kiln.workdir): only the driver's JIT cache.
         graphs = ", ".join(name for name in misses if name != WORKDIR_FACTOR)
-        changed = [changed_line(self.folder_changes)] if self.folder_changes else []
+        changed = [changed_line(self.folder_changes, self.env_names)] if self.folder_changes else []
         if self.foreign_locks:
             changed.append(describe_locks([Path(p) for p in self.foreign_locks]))
         if self.failing and self.extra.get("unserved_workdir"):
@@ -217,12 +218,28 @@ def explain(
     return f"{b.key}: {b.compiles} compile(s): {what} ({hint})"
 
 
-def changed_line(changes: Sequence[str]) -> str:
-    """One line on a restored folder that is no longer what restore installed."""
+def changed_line(changes: Sequence[str], elsewhere: str | None = None) -> str:
+    """One line on a restored folder that is no longer what restore installed; ``elsewhere``:
+    the folder its ``kiln.env`` names instead of this one (:func:`moved_env`)."""
+    if elsewhere is not None and list(changes) == [f"~{ENV_NAME}"]:
+        return (
+            f"{ENV_NAME} names {elsewhere}, where the folder was restored, not this path (moved, "
+            "copied or mounted elsewhere): a server that sources it reads caches there; restore "
+            "at the path the server uses"
+        )
     return (
         f"the folder changed since it was restored ({len(changes)} file(s), e.g. "
         f"{', '.join(changes[:3])}): something wrote into it or deleted from it; restore it again"
     )
+
+
+def moved_env(cache: Path, changes: Sequence[str]) -> str | None:
+    """The folder ``cache``'s changed ``kiln.env`` was written for, when that is another path:
+    the folder moved or mounted elsewhere, not the file edited (None otherwise)."""
+    if f"~{ENV_NAME}" not in changes:
+        return None
+    named = env_folder(cache)
+    return named if named is not None and named != str(cache) else None
 
 
 def folder_changes(cache: Path, manifest: Manifest) -> list[str]:
@@ -330,6 +347,9 @@ def verify(
     grid = [b for b in expand(spec) if keys is None or b.key in keys]
     order_keys = [b.key for b in ordered(grid, order, seed)]
     changes = folder_changes(cache, manifest)
+    elsewhere = moved_env(cache, changes)
+    if elsewhere is not None and manifest.aoti is not None:  # its server reads no kiln.env
+        changes, elsewhere = [c for c in changes if c != f"~{ENV_NAME}"], None
     matches = spec.sha256() == manifest.spec_sha256
     differs = [] if matches else differing_keys(manifest.spec, spec.canonical())
     baked_grid = [b.sizes for b in manifest.grid]
@@ -347,12 +367,12 @@ def verify(
     except PackageLoadError as exc:  # the folder could not serve at all: say what changed
         if not changes:
             raise
-        raise PackageLoadError(exc.problem, advice=changed_line(changes)) from exc
+        raise PackageLoadError(exc.problem, advice=changed_line(changes, elsewhere)) from exc
     except WorkerError as exc:  # a crash (a damaged library's SIGBUS): likely what changed
         if not changes:
             raise
         first = exc.message.splitlines()[0].rstrip(": ")
-        raise VerificationError(f"{first}: {changed_line(changes)}") from exc
+        raise VerificationError(f"{first}: {changed_line(changes, elsewhere)}") from exc
     # The route the artifact is made for leads the timings.
     lead = next((run for route, run in runs if route == made_for(manifest)), runs[0][1])
     report = VerifyReport(
@@ -376,6 +396,7 @@ def verify(
         },
         routes=list(routes),
         folder_changes=changes,
+        env_names=elsewhere,
         foreign_locks=[
             str(lock)
             for layout in CacheLayout.ranks(cache, manifest.rank_world)
