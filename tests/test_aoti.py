@@ -479,7 +479,8 @@ def test_a_padded_request_imports_no_compiler(tmp_path: Path) -> None:
     fake tensors, which import Dynamo), recorded per bucket; the server pads, calls the
     package and slices without a probe of its own, so it imports neither Dynamo nor Inductor."""
     spec = tmp_path / "spec.yaml"
-    text = aoti_spec("padded", buckets="[2, 4]").replace("fill: randn}", "fill: randn, pad: 0}")
+    # Bucket 16 is also the feature size: slicing by size would cut both dims of its output.
+    text = aoti_spec("padded", buckets="[2, 16]").replace("fill: randn}", "fill: randn, pad: 0}")
     spec.write_text(text)
     result = kiln.bake(spec, tmp_path / "p.kiln.tar.zst")
     assert result is not None and result.manifest.aoti is not None
@@ -487,7 +488,7 @@ def test_a_padded_request_imports_no_compiler(tmp_path: Path) -> None:
     assert recorded == [
         {"bucket": f"batch={b}", "axis": "batch", "by_size": False,
          "outputs": [{"path": [], "dims": [0], "sliceable": True}]}
-        for b in (2, 4)
+        for b in (2, 16)
     ]  # fmt: skip
     kiln.restore(result.artifact, tmp_path / "restored")
     run = subprocess.run(
@@ -513,7 +514,8 @@ def test_a_ranged_program_is_not_sharded(tmp_path: Path) -> None:
 @pytest.mark.slow
 def test_shards_merge_into_one_set_of_packages(tmp_path: Path, cli) -> None:
     spec = tmp_path / "spec.yaml"
-    spec.write_text(aoti_spec("sharded"))
+    # Padded: each shard records its buckets' output carriers, the merge keeps them all.
+    spec.write_text(aoti_spec("sharded").replace("fill: randn}", "fill: randn, pad: 0}"))
     for i in range(2):  # unproven: the merged artifact is what this test proves, verified
         out = tmp_path / f"s{i}.kiln.tar.zst"
         assert kiln.bake(spec, out, shard=f"{i}/2", prove=False) is not None
@@ -526,6 +528,7 @@ def test_shards_merge_into_one_set_of_packages(tmp_path: Path, cli) -> None:
         ("aoti/batch3", ["batch=3"]),
     ]
     assert len(aoti.constants) == 4
+    assert [(c.bucket, c.axis) for c in aoti.carriers] == [(f"batch={b}", "batch") for b in (2, 3)]
     kiln.restore(merged.artifact, tmp_path / "restored")
     run = cli("verify", spec, "--cache", tmp_path / "restored", "--json")
     assert run.returncode == 0, run.stderr[-2000:]

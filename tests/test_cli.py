@@ -343,18 +343,23 @@ def test_verify_names_a_moved_folder_by_the_path_its_kiln_env_names(tmp_path: Pa
 
     first = tmp_path / "first"
     restore(good_archive(tmp_path / "a.kiln.tar.zst"), first)
+    manifest = read_manifest(first)
     moved = tmp_path / "moved"
     shutil.copytree(first, moved, symlinks=True)
-    changes = folder_changes(moved, read_manifest(moved))
-    assert changes == ["~kiln.env"] and moved_env(moved, changes) == str(first)
+    changes = folder_changes(moved, manifest)
+    assert changes == ["~kiln.env"] and moved_env(moved, manifest, changes) == str(first)
     assert changed_line(changes, str(first)).startswith(
         f"kiln.env names {first}, where the folder was restored, not this path (moved, copied "
         "or mounted elsewhere)"
     )
-    with open(first / "kiln.env", "a") as env:  # edited where it was restored: no other path
-        env.write("export X=1\n")
-    edited = folder_changes(first, read_manifest(first))
-    assert edited == ["~kiln.env"] and moved_env(first, edited) is None
+    (tmp_path / "link").symlink_to(first)  # the same folder by another spelling: not moved
+    assert moved_env(tmp_path / "link", manifest, ["~kiln.env"]) is None
+    # Edited, where it was restored or after a move: no other path restore wrote it for.
+    for folder in (first, moved):
+        with open(folder / "kiln.env", "a") as env:
+            env.write("export X=1\n")
+        edited = folder_changes(folder, manifest)
+        assert edited == ["~kiln.env"] and moved_env(folder, manifest, edited) is None
     assert "something wrote into it" in changed_line(edited, None)
 
 

@@ -285,6 +285,49 @@ def test_outputs_are_sliced_back_on_every_dimension_that_carried_a_padded_size(c
     assert fn.stats.probes == 2  # once per bucket and axis
 
 
+class Reads(torch.nn.Module):
+    """Reads a value in Python: fake tensors cannot run it, so outputs are sliced by size."""
+
+    def forward(self, ids, mask):  # type: ignore[no-untyped-def]
+        return ids.float() * float(mask.max().item())
+
+
+def test_carriers_the_bake_records_serve_as_a_probe_would(caplog) -> None:
+    """The AOT route's bake finds the carriers (bake_carriers) and the manifest carries them:
+    its server, which runs no probe, unpads as one that probes, warning alike."""
+    from kiln.artifact.manifest import PadCarriers
+    from kiln.compiler.padded import PaddedModel, bake_carriers
+
+    model, probing = served()
+    at = {"ids": torch.ones(4, 8, dtype=torch.int64), "mask": torch.ones(4, 8, dtype=torch.int64)}
+    records = [
+        PadCarriers.model_validate_json(r.model_dump_json())  # through the manifest's JSON
+        for r in bake_carriers(model, probing.grid, "batch=4,seq=8", at)
+    ]
+    assert [r.axis for r in records] == ["batch", "seq"]
+    given = PaddedModel(model, model, probing.grid, carriers=records)
+    ids, mask = torch.arange(1, 16).view(3, 5), torch.ones(3, 5, dtype=torch.int64)
+    with caplog.at_level(logging.WARNING, logger="kiln"):
+        out = given(ids=ids, mask=mask)
+    assert "doubled changes with seq other than one for one" in caplog.text
+    assert close(out, probing(ids=ids, mask=mask)) and out["doubled"].shape == (3, 16)
+    assert given.stats.probes == 0 and probing.stats.probes == 2
+
+    reads = Reads()
+    blind_records = bake_carriers(reads, probing.grid, "batch=4,seq=8", at)
+    assert [(r.axis, r.by_size, r.outputs) for r in blind_records] == [
+        ("batch", True, []),
+        ("seq", True, []),
+    ]
+    blind = PaddedModel(reads, reads, probing.grid, carriers=blind_records)
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="kiln"):
+        assert blind(ids=ids, mask=mask).shape == (3, 5)
+    said = "could not trace output shapes on fake tensors: slicing dimensions whose size is the "
+    assert f"{said}padded batch" in caplog.text
+    assert blind.stats.probes == 0
+
+
 def test_keep_returns_an_output_unsliced() -> None:
     _, fn = served(keep=("tuple.0", "data"))
     out = fn(ids=torch.ones(3, 5, dtype=torch.int64), mask=torch.ones(3, 5, dtype=torch.int64))

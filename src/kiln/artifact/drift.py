@@ -110,21 +110,37 @@ def kiln_env(dest: Path, manifest: Manifest) -> str:
     )
 
 
-def env_folder(dest: Path) -> str | None:
-    """The folder ``dest``'s ``kiln.env`` was written for (its ``KILN_CACHE_DIR``), None where
-    it names none: for a drifted env file, whether the folder was moved (or mounted at another
-    path) rather than the file edited."""
+def env_folder(dest: Path, manifest: Manifest) -> str | None:
+    """The other folder ``dest``'s ``kiln.env`` was written for, where it is exactly the file
+    restore writes for ``manifest`` at that path: the folder moved, copied or mounted at
+    another path, rather than the file edited. None otherwise (and for a file that is no
+    regular one, or larger than restore's could be for that path)."""
+    here = kiln_env(dest, manifest)
+    limit = 4 * len(here) + 4096  # another path may be longer; never a file of any size
     try:
-        text = CacheLayout(dest).env_file.read_text(errors="replace")
+        fd = os.open(CacheLayout(dest).env_file, os.O_RDONLY | os.O_NOFOLLOW)
     except OSError:
         return None
-    for line in text.splitlines():
-        if line.startswith(f"export {CACHE_DIR_VAR}="):
-            try:
-                return shlex.split(line.split("=", 1)[1])[0]
-            except (ValueError, IndexError):
-                return None
-    return None
+    with os.fdopen(fd, "rb") as fh:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            return None
+        text = fh.read(limit + 1).decode(errors="replace")
+    prefix = f"export {CACHE_DIR_VAR}="
+    line = next((ln for ln in text.splitlines() if ln.startswith(prefix)), None)
+    try:
+        named = shlex.split(line.removeprefix(prefix))[0] if line else None
+    except (ValueError, IndexError):
+        return None
+    if named is None or not named.isprintable() or not Path(named).is_absolute():
+        return None
+    if len(text) > limit or text != kiln_env(Path(named), manifest):
+        return None
+    try:
+        if Path(named).samefile(dest):  # the same folder by another spelling or a link
+            return None
+    except OSError:
+        pass  # gone where it was restored: moved
+    return named
 
 
 def env_drift(dest: Path, manifest: Manifest) -> bool | None:

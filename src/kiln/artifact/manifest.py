@@ -22,6 +22,7 @@ from pydantic import (
     BaseModel,
     ConfigDict,
     Field,
+    NonNegativeInt,
     SerializerFunctionWrapHandler,
     ValidationError,
     field_validator,
@@ -214,9 +215,6 @@ class AotiProgram(_Model):
     library: str = Field(max_length=255, pattern=r"^[^/\\]+\.so$")
     buckets: list[str] = Field(max_length=4096)
     ranges: dict[str, list[int]] | None = Field(None, description="axis: [low, high]")
-    # Checked before the library is opened: a truncated library is not refused by dlopen but
-    # maps past its end, and the process dies of SIGBUS at its first page fault there.
-    library_bytes: int | None = Field(None, ge=0, description="the library's size in bytes")
 
 
 class PadOutput(_Model):
@@ -226,7 +224,7 @@ class PadOutput(_Model):
     convolution), so it is returned padded, with a warning."""
 
     path: list[str] = Field(max_length=64)
-    dims: list[int] = Field(max_length=64)
+    dims: list[NonNegativeInt] = Field(max_length=64)
     sliceable: bool = True
 
 
@@ -671,6 +669,12 @@ class Manifest(_Model):
     @property
     def world_size(self) -> int:
         return self.distributed.world_size if self.distributed else 1
+
+    @property
+    def route(self) -> str:
+        """``aoti`` where the artifact serves from AOTInductor packages (compile.route: aoti),
+        else ``compile``: which factors matter and how a miss is worded."""
+        return "aoti" if self.aoti is not None else "compile"
 
     @property
     def rank_world(self) -> int | None:

@@ -120,16 +120,19 @@ class Activation:
 
     def _packages(self, model: Any, on_miss: OnMiss | None) -> Any:
         """The AOTInductor packages this process serves, loaded onto ``model``."""
-        from kiln.compiler.aoti_serve import AotiModel, served_packages
+        from kiln.compiler.aoti_serve import AotiModel, library_sizes, served_packages
 
-        if on_miss == "compile":
-            raise UsageError(
-                "compile.route: aoti serves without a compiler: on_miss is error or eager"
-            )
         aoti = served_packages(self.manifest, self.rank)
         index = self.device_index if aoti.device == "cuda" else 0
         folder = self.layout or self.cache_dir
-        return AotiModel(model, aoti, folder, device_index=index, on_miss=on_miss or "")
+        return AotiModel(
+            model,
+            aoti,
+            folder,
+            device_index=index,
+            on_miss=on_miss or "",
+            sizes=library_sizes(self.manifest),
+        )
 
     def _compiled(self, model: Any) -> Any:
         import torch
@@ -173,7 +176,7 @@ class Activation:
             "recompile_limit": self.recompile_limit,
             "precompiled": self.manifest.precompiled is not None,
             "precompiled_frames": self.manifest.precompiled_frames is not None,
-            "route": "aoti" if self.manifest.aoti is not None else "compile",
+            "route": self.manifest.route,
             "warnings": self.warnings,
         }
 

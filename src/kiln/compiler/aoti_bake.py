@@ -136,10 +136,6 @@ class AotiBuilder:
         """Build the package that serves ``example``'s bucket (a ranged program: the first
         call builds it for the whole grid, later buckets only add their key to it)."""
         key = self.key_of(example)
-        if self.pads is not None:
-            from kiln.compiler.padded import bake_carriers
-
-            self.info.carriers += bake_carriers(self.model, self.pads, key, example)
         if self.ranges is not None and self.info.programs:
             program = self.info.programs[0]
             program.buckets.append(key)
@@ -148,14 +144,12 @@ class AotiBuilder:
             traced = self._largest(example) if self.ranges is not None else example
             library = self._build(traced, self.out / name)
             folder = _TOP.member(_TOP.aoti / name)
-            program = AotiProgram(
-                path=folder,
-                library=library,
-                buckets=[key],
-                ranges=self.ranges,
-                library_bytes=(self.out / name / library).stat().st_size,
-            )
+            program = AotiProgram(path=folder, library=library, buckets=[key], ranges=self.ranges)
             self.info.programs.append(program)
+        if self.pads is not None:  # after the export: a fake run can leave state on the model
+            from kiln.compiler.padded import bake_carriers
+
+            self.info.carriers += bake_carriers(self.model, self.pads, key, example)
         self.served = AotiModel(
             self.model, self.info, self.out.parent, device_index=self.device_index
         )

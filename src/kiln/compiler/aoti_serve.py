@@ -36,6 +36,8 @@ from __future__ import annotations
 import functools
 import logging
 import os
+import reprlib
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -53,6 +55,7 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("kiln")
 MISS_POLICIES = tuple(p for p in ON_MISS if p != "compile")  # no compiler to call here
+_LOGGED_MISSES = 256  # distinct misses logged (each once); later ones are only counted
 
 
 class WeightsMismatchError(UsageError, ValueError):
@@ -180,8 +183,17 @@ class AotiModel:
     """
 
     def __init__(
-        self, model: Any, info: Aoti, folder: Path, *, device_index: int = 0, on_miss: str = ""
+        self,
+        model: Any,
+        info: Aoti,
+        folder: Path,
+        *,
+        device_index: int = 0,
+        on_miss: str = "",
+        sizes: Mapping[str, int] | None = None,
     ) -> None:
+        """``sizes``: each library's size by its path in the artifact (:func:`library_sizes`),
+        checked before it is opened; None for packages no manifest lists yet (the bake's)."""
         import torch
         import torch.utils._pytree as pytree  # torch's own import already loaded it
 
@@ -206,7 +218,7 @@ class AotiModel:
         for p in info.programs:
             library = folder / p.path / p.library
             where = f"{shown}{p.path}/{p.library}"
-            runner = _load(library, where, info.device, device_index, p.library_bytes)
+            runner = _load(library, where, info.device, device_index, (sizes or {}).get(where))
             if self._weights:
                 constants, missing = constants_for(runner, self._weights)
                 if missing:  # the bake checked this against the same model: a changed model
@@ -282,7 +294,7 @@ class AotiModel:
             return self._miss(args, kwargs, f"no input {missing[0]!r}")
         for name, value in extra.items():
             if name not in self.info.call_kwargs or self.info.call_kwargs[name] != value:
-                return self._miss(args, kwargs, f"{name}={value!r} was not baked")
+                return self._miss(args, kwargs, f"{name}={reprlib.repr(value)} was not baked")
         program = self._pick(inputs)
         if program is None:
             return self._miss(args, kwargs, self._shown(inputs))
@@ -325,7 +337,7 @@ class AotiModel:
                 f"no baked AOTInductor package takes these inputs ({what}; the grid: "
                 f"{self.grid()}): on_miss: eager serves them with the model's forward"
             )
-        if what not in self._missed:
+        if what not in self._missed and len(self._missed) < _LOGGED_MISSES:
             self._missed.add(what)
             log.warning("kiln: no baked package takes these inputs (%s): running eagerly", what)
         return self.model(*args, **kwargs)
@@ -340,6 +352,12 @@ class AotiModel:
         ]
         shown = "; ".join(keys[:6]) + (f"; … {len(keys) - 6} more" if len(keys) > 6 else "")
         return "; ".join(ranged) if ranged else shown
+
+
+def library_sizes(manifest: Manifest) -> dict[str, int]:
+    """Every package library's size by its path in the artifact (``ranks/R/`` included), as
+    :class:`AotiModel` names them: what restore installed, checked before each is opened."""
+    return {f.path: f.size for f in manifest.entries() if f.kind == "aoti"}
 
 
 def served_packages(manifest: Manifest, rank: int | None) -> Aoti:

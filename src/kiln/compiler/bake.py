@@ -823,7 +823,7 @@ def _serving_missed(run: WorkerRun) -> str:
     from kiln.compiler.verify import explain
 
     missed = [
-        f"{f'rank {rank}: ' if len(run.results) > 1 else ''}{explain(b)}"
+        f"{f'rank {rank}: ' if len(run.results) > 1 else ''}{explain(b, route='aoti')}"
         for rank, result in enumerate(run.results)
         for b in result.buckets
         if b.compiles

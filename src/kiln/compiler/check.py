@@ -59,7 +59,7 @@ class CheckReport:
         names = ", ".join(f"{f.name} (baked {f.baked!r}, here {f.here!r})" for f in self.misses)
         what = "caches will miss"
         if self.route == "aoti":
-            what = "AOTInductor packages cannot serve here"
+            what = "AOTInductor packages will not serve as baked"
         return f"{self.name}: {what}: {names}"
 
     def error(self) -> IncompatibleError:
@@ -90,7 +90,7 @@ def compare_manifest(
     baked = manifest.fingerprint
     if manifest.distributed is not None and rank is not None and rank < manifest.world_size:
         baked = manifest.distributed.ranks[rank].fingerprint
-    route = "aoti" if manifest.aoti is not None else "compile"
+    route = manifest.route
     factors = compare(baked, here, route) + rank_factors(manifest, rank, world_size)
     keyed_by = manifest.workdir.path if manifest.workdir else None
     if workdir is not None and (where := workdir_factor(keyed_by, workdir)) is not None:

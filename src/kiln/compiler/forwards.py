@@ -161,6 +161,7 @@ def _aoti_served(
     from kiln.compiler import aoti_serve
 
     rank = None
+    sizes = None
     if packages is not None:  # a launched rank is a distributed spec's: its own folder
         rank = launched.rank if launched is not None else None
         aoti = packages[rank or 0]
@@ -169,11 +170,17 @@ def _aoti_served(
         if launched is not None and manifest.distributed is not None:
             rank = launched.rank
         aoti = aoti_serve.served_packages(manifest, rank)
+        sizes = aoti_serve.library_sizes(manifest)
     t0 = time.time()
     with _model_as_baked():
         # A miss is counted as one (verify fails on it) rather than raised mid-pass.
         served = aoti_serve.AotiModel(
-            model, aoti, CacheLayout(folder, rank).dir, device_index=index, on_miss="eager"
+            model,
+            aoti,
+            CacheLayout(folder, rank).dir,
+            device_index=index,
+            on_miss="eager",
+            sizes=sizes,
         )
     forward = Forward(served, call_kwargs, sync, aoti=served)
     forward.load_s = time.time() - t0

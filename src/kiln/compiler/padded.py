@@ -110,8 +110,14 @@ class PaddedModel:
         self._signature = _signature(model)
         self._carriers: dict[tuple[tuple[int, ...], str], _Carriers] = {}
         for record in carriers:  # found by the bake: no probe here
-            sizes = Bucket.parse(record.bucket).as_dict()
-            point = tuple(sizes[a] for a in grid.axes)
+            try:
+                sizes = Bucket.parse(record.bucket).as_dict()
+                point = tuple(sizes[a] for a in grid.axes)
+            except (KeyError, ValueError):
+                raise IntegrityError(
+                    f"padding record for bucket {record.bucket!r} does not name the grid's axes "
+                    f"({', '.join(grid.axes)})"
+                ) from None
             self._carriers[(point, record.axis)] = _Carriers.from_record(record)
         self._warned: set[str] = set()
 
@@ -206,7 +212,10 @@ class PaddedModel:
             if key not in self._carriers:
                 shapes = {p: tuple(t.shape) for p, t in leaves}
                 self._carriers[key] = self._probe(axis, request[axis], bucket, kwargs, shapes)
-            carriers.append(self._carriers[key])
+            found = self._carriers[key]
+            if found.by_size:  # a probe here warned already; one the bake ran has not
+                self._warn_once(f"probe:{axis}", _unprobed(axis, None))
+            carriers.append(found)
         targets: dict[Path, list[int | None]] = {}
         for path, tensor in leaves:
             if any(path[: len(k)] == k for k in self.keep):
@@ -338,14 +347,19 @@ def bake_carriers(
     no Dynamo, which fake tensors would import (1.7 s on the CPU). A dim that moves one for one
     with the axis at one size less does at any size: slicing is by the request's size."""
     sizes = Bucket.parse(bucket).as_dict()
+    axes = [a for a in sorted(grid.paddable) if sizes[a] >= 2]  # 1: nothing is padded into it
+    if not axes:
+        return []
+    try:
+        at = fake_shapes(model, grid, sizes, kwargs)
+    except Exception as exc:  # as at run time: the server slices by size, and says so
+        log.warning("kiln: %s: %s", bucket, _unprobed(", ".join(axes), exc))
+        return [_Carriers(by_size=True).recorded(bucket, axis) for axis in axes]
     out: list[PadCarriers] = []
-    for axis in sorted(grid.paddable):
-        if sizes[axis] < 2:  # no request is smaller: nothing is padded into it
-            continue
+    for axis in axes:
         try:
-            at = fake_shapes(model, grid, sizes, kwargs)
             moved = fake_shapes(model, grid, {**sizes, axis: sizes[axis] - 1}, kwargs)
-        except Exception as exc:  # as at run time: the server slices by size, and says so
+        except Exception as exc:
             log.warning("kiln: %s: %s", bucket, _unprobed(axis, exc))
             found = _Carriers(by_size=True)
         else:
@@ -354,10 +368,13 @@ def bake_carriers(
     return out
 
 
-def _unprobed(axis: str, exc: BaseException) -> str:
+def _unprobed(axis: str, exc: BaseException | None) -> str:
+    """The warning for outputs sliced by size: ``exc`` is why fake tensors could not run the
+    model (None: the bake's probe said so, in the bake's log)."""
+    why = f" ({type(exc).__name__}: {_first_line(exc)})" if exc is not None else ""
     return (
-        f"could not trace output shapes on fake tensors ({type(exc).__name__}: "
-        f"{_first_line(exc)}): slicing dimensions whose size is the padded {axis}"
+        f"could not trace output shapes on fake tensors{why}: slicing dimensions whose size "
+        f"is the padded {axis}"
     )
 
 

@@ -31,16 +31,9 @@ from kiln.artifact.restore import read_installed
 from kiln.compiler.check import CheckReport, compare_manifest
 from kiln.compiler.dynamo_log import RESUME_FRAME
 from kiln.compiler.launch import WorkerRun, run_worker
-from kiln.compiler.process import WorkerError
 from kiln.compiler.protocol import WorkerRequest, input_stream
 from kiln.compiler.writes import driver_jit, in_driver_cache
-from kiln.errors import (
-    IncompatibleError,
-    NotFoundError,
-    PackageLoadError,
-    UsageError,
-    VerificationError,
-)
+from kiln.errors import IncompatibleError, NotFoundError, PackageLoadError, UsageError
 from kiln.events import EventSink, SpecDiffers
 from kiln.files import atomic_write
 from kiln.grid import expand, off_grid, ordered
@@ -109,7 +102,7 @@ class VerifyReport:
             changed.append(describe_locks([Path(p) for p in self.foreign_locks]))
         if self.failing and self.extra.get("unserved_workdir"):
             changed.append(self.extra["unserved_workdir"])
-        route = self.check.route if self.check else "compile"
+        route = self.extra.get("route", "compile")
         return changed + [
             explain(
                 b,
@@ -134,6 +127,7 @@ class VerifyReport:
             "routes": self.routes,
             "folder_changes": self.folder_changes,
             "foreign_locks": self.foreign_locks,
+            "env_names": self.env_names,
             "compiles": sum(b.compiles for b in self.buckets),
             "failing": self.reasons(),
             "buckets": [b.model_dump(mode="json") | {"compiles": b.compiles} for b in self.buckets],
@@ -142,12 +136,12 @@ class VerifyReport:
         }
 
 
-# What a precompile_misses count is: a precompiled forward's miss, or on the AOT route a call
-# that no package took.
-_MISS_WORDS = (
-    ("precompiled miss", "precompiled misses"),
-    ("call no package took", "calls no package took"),
-)
+# What a precompile_misses count is, by route: a precompiled forward's miss, or on the AOT
+# route a call that no package took.
+_MISS_WORDS = {
+    "compile": ("precompiled miss", "precompiled misses"),
+    "aoti": ("call no package took", "calls no package took"),
+}
 
 
 def explain(
@@ -175,7 +169,7 @@ def explain(
     counts = (
         (b.fx_misses + b.fx_bypass, "FX graph", "FX graphs"),
         (b.aot_misses, "AOT graph", "AOT graphs"),
-        (b.precompile_misses, *_MISS_WORDS[route == "aoti"]),
+        (b.precompile_misses, *_MISS_WORDS[route]),
         (b.new_native, "kernel binary", "kernel binaries"),
         (b.launchers, "native helper built with gcc", "native helpers built with gcc"),
         (b.autotunes, "autotune run", "autotune runs"),
@@ -233,13 +227,13 @@ def changed_line(changes: Sequence[str], elsewhere: str | None = None) -> str:
     )
 
 
-def moved_env(cache: Path, changes: Sequence[str]) -> str | None:
-    """The folder ``cache``'s changed ``kiln.env`` was written for, when that is another path:
-    the folder moved or mounted elsewhere, not the file edited (None otherwise)."""
+def moved_env(cache: Path, manifest: Manifest, changes: Sequence[str]) -> str | None:
+    """The folder ``cache``'s changed ``kiln.env`` was written for, when it is restore's file
+    for another path: the folder moved, copied or mounted elsewhere, not the file edited (None
+    otherwise)."""
     if f"~{ENV_NAME}" not in changes:
         return None
-    named = env_folder(cache)
-    return named if named is not None and named != str(cache) else None
+    return env_folder(cache, manifest)
 
 
 def folder_changes(cache: Path, manifest: Manifest) -> list[str]:
@@ -347,9 +341,7 @@ def verify(
     grid = [b for b in expand(spec) if keys is None or b.key in keys]
     order_keys = [b.key for b in ordered(grid, order, seed)]
     changes = folder_changes(cache, manifest)
-    elsewhere = moved_env(cache, changes)
-    if elsewhere is not None and manifest.aoti is not None:  # its server reads no kiln.env
-        changes, elsewhere = [c for c in changes if c != f"~{ENV_NAME}"], None
+    elsewhere = moved_env(cache, manifest, changes)
     matches = spec.sha256() == manifest.spec_sha256
     differs = [] if matches else differing_keys(manifest.spec, spec.canonical())
     baked_grid = [b.sizes for b in manifest.grid]
@@ -368,11 +360,6 @@ def verify(
         if not changes:
             raise
         raise PackageLoadError(exc.problem, advice=changed_line(changes, elsewhere)) from exc
-    except WorkerError as exc:  # a crash (a damaged library's SIGBUS): likely what changed
-        if not changes:
-            raise
-        first = exc.message.splitlines()[0].rstrip(": ")
-        raise VerificationError(f"{first}: {changed_line(changes, elsewhere)}") from exc
     # The route the artifact is made for leads the timings.
     lead = next((run for route, run in runs if route == made_for(manifest)), runs[0][1])
     report = VerifyReport(
@@ -390,7 +377,7 @@ def verify(
             "precompile_load_s": lead.result.precompile_load_s,
             "ranks": spec.world_size,
             "bytecode_modules": lead.result.bytecode_modules,  # imported from the artifact's
-            "route": "aoti" if manifest.aoti is not None else "compile",
+            "route": manifest.route,
             "compiler_modules": lead.result.compiler_modules,  # Dynamo/Inductor, if imported
             "unserved_workdir": _unserved_workdir(spec),
         },
