@@ -187,7 +187,8 @@ def explain(
         )
     elif graphs:
         why = b.recompile_reasons[-1].splitlines()[-1].strip("- ") if b.recompile_reasons else ""
-        hint = f"environment differs: {factors}" if factors else "no cached entry matched"
+        nothing = "no package takes these inputs" if route == "aoti" else "no cached entry matched"
+        hint = f"environment differs: {factors}" if factors else nothing
         if why and not factors:
             hint += f"; Dynamo traced it because {why}"
     else:
