@@ -73,18 +73,27 @@ def shared(baked) -> Iterator[tuple[Path, Path, Path]]:
         shutil.rmtree(base, ignore_errors=True)
 
 
+@pytest.fixture
+def served_once(shared: tuple[Path, Path, Path], tmp_path: Path) -> tuple[Path, Path, list[Path]]:
+    """The shared folder served once by this user, as a build step would: Inductor leaves a
+    lock per kernel it loaded, this user's, which this user opens. (folder, locks, the locks)"""
+    spec, dest, locks = shared
+    served = serve_like_a_user(spec, dest, tmp_path / "first-run")
+    assert served.returncode == 0, served.stderr
+    left = sorted(locks.iterdir())
+    kernels = {c.name.split(".")[0] + ".lock" for c in (dest / "inductor").glob("*/*.cpp")}
+    assert left and {p.name for p in left} <= kernels
+    assert foreign_locks(CacheLayout(dest)) == []
+    return dest, locks, left
+
+
 @as_root
 def test_another_users_kernel_locks_are_named_before_serving(
-    shared: tuple[Path, Path, Path], tmp_path: Path
+    served_once: tuple[Path, Path, list[Path]],
 ) -> None:
-    spec, dest, locks = shared
-    # Root serves the folder once, as a build step would: Inductor leaves its locks, root's.
-    served = serve_like_a_user(spec, dest, tmp_path / "root-run")
-    assert served.returncode == 0, served.stderr
-    left = sorted(p.name for p in locks.iterdir())
-    kernels = {c.name.split(".")[0] + ".lock" for c in (dest / "inductor").glob("*/*.cpp")}
-    assert left and set(left) <= kernels and all(p.stat().st_uid == 0 for p in locks.iterdir())
-    assert foreign_locks(CacheLayout(dest)) == []  # root opens them
+    dest, locks, paths = served_once
+    left = [p.name for p in paths]
+    assert all(p.stat().st_uid == 0 for p in paths)  # a root step's: root's
     # Another program's files in the link's target (/tmp) are not the folder's kernels.
     for name in ("zz_unrelated.cpp", "zz_unrelated.lock"):
         (locks / name).write_text("")
@@ -116,13 +125,9 @@ def test_another_users_kernel_locks_are_named_before_serving(
 
 @not_root
 def test_kernel_locks_this_user_cannot_write_are_named_before_serving(
-    shared: tuple[Path, Path, Path], tmp_path: Path
+    served_once: tuple[Path, Path, list[Path]],
 ) -> None:
-    spec, dest, locks = shared
-    served = serve_like_a_user(spec, dest, tmp_path / "first-run")
-    assert served.returncode == 0, served.stderr
-    left = sorted(locks.iterdir())
-    assert left and foreign_locks(CacheLayout(dest)) == []
+    dest, _, left = served_once
     for lock in left:  # what another user's 0644 file is to this one: not writable
         lock.chmod(0o444)
     assert foreign_locks(CacheLayout(dest)) == left
