@@ -198,6 +198,12 @@ def test_the_grid_comes_from_a_manifest_without_torch(tmp_path) -> None:
         [sys.executable, "-c", "import sys; " + code], capture_output=True, text=True, check=True
     )
     assert out.stdout.strip() == "{'batch': 4, 'seq': 512} ['batch', 'seq'] None"
+    # A policy the caller passes that is none is the caller's argument, not the artifact's.
+    from kiln.compiler.padded import with_padding
+    from kiln.errors import ParameterError
+
+    with pytest.raises(ParameterError, match="on_miss='bogus': one of error, eager, compile"):
+        with_padding(print, None, manifest, on_miss="bogus")  # type: ignore[arg-type]
 
 
 def test_the_cli_offers_exactly_the_on_miss_policies() -> None:
@@ -326,6 +332,51 @@ def test_carriers_the_bake_records_serve_as_a_probe_would(caplog) -> None:
     said = "could not trace output shapes on fake tensors: slicing dimensions whose size is the "
     assert f"{said}padded batch" in caplog.text
     assert blind.stats.probes == 0
+
+
+class Pools(torch.nn.Module):
+    """A pooling with ``ceil_mode``: its seq dim is 8 at seq 15 as at 16, 4 at 8."""
+
+    def forward(self, ids, mask):  # type: ignore[no-untyped-def]
+        x = (ids.float() * mask)[:, None]
+        return {"halved": torch.nn.functional.avg_pool1d(x, 2, 2, ceil_mode=True), "x": x}
+
+
+def test_an_output_that_moves_otherwise_is_found_whatever_size_comes_first(caplog) -> None:
+    """At seq 15 alone the pooled dim looks fixed (8 at 15 and at 16): the probe runs at two
+    sizes the request does not choose, so the server and the bake both leave it padded, and
+    say so, instead of returning it unsliced and unannounced."""
+    from kiln.compiler.padded import PaddedModel, bake_carriers
+
+    _, probing = served()
+    pools = Pools()
+    fn = PaddedModel(pools, pools, probing.grid)
+    ids, mask = torch.ones(3, 15, dtype=torch.int64), torch.ones(3, 15, dtype=torch.int64)
+    with caplog.at_level(logging.WARNING, logger="kiln"):
+        out = fn(ids=ids, mask=mask)
+    assert "output halved changes with seq other than one for one" in caplog.text
+    assert out["halved"].shape == (3, 1, 8) and out["x"].shape == (3, 1, 15)
+    at = {"ids": torch.ones(4, 16, dtype=torch.int64), "mask": torch.ones(4, 16, dtype=torch.int64)}
+    (batch, seq) = bake_carriers(pools, probing.grid, "batch=4,seq=16", at)
+    assert {tuple(o.path): o.sliceable for o in seq.outputs} == {("halved",): False, ("x",): True}
+    assert all(o.sliceable and o.dims == [0] for o in batch.outputs)
+
+
+def test_an_input_of_another_dtype_follows_on_miss(caplog) -> None:
+    """torch compiles a graph per input dtype: an int32 ``ids`` where the bake used int64 is no
+    baked graph's, off the grid by its dtype, never compiled silently in the server."""
+    _, fn = served()
+    ids, mask = torch.ones(3, 5, dtype=torch.int32), torch.ones(3, 5, dtype=torch.int64)
+    with pytest.raises(OffGridError, match="input 'ids' is int32, the bake's is int64"):
+        fn(ids=ids, mask=mask)
+    model, eager = served(on_miss="eager")
+    with caplog.at_level(logging.WARNING, logger="kiln"):
+        out = eager(ids=ids, mask=mask)
+    assert close(out, model(ids=ids, mask=mask))
+    assert dict(eager.stats.off_grid) == {
+        "batch=3,seq=5 (input 'ids' is int32, the bake's is int64)": 1
+    }
+    assert eager.stats.padded == 0 and "served eager (on_miss: eager)" in caplog.text
 
 
 def test_keep_returns_an_output_unsliced() -> None:

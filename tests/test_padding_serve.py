@@ -104,6 +104,25 @@ def test_off_grid_policies(mlp: tuple[Path, Path], tmp_path: Path) -> None:
     assert s["compiles_off_grid"] >= 2  # each new shape compiled here, once
 
 
+def test_a_replay_of_a_folder_a_server_wrote_into_fails(
+    mlp: tuple[Path, Path], tmp_path: Path
+) -> None:
+    """As verify does: graphs a server compiled into the folder would serve the replay with 0
+    compiles, passing what the bake never made; the folder's changes fail it (exit 6)."""
+    from kiln.artifact.archive import read_manifest
+    from kiln.artifact.drift import kiln_env
+
+    spec, cache = mlp
+    grown = tmp_path / "grown"
+    shutil.copytree(cache, grown, symlinks=True)  # inductor/locks links to /tmp
+    (grown / "kiln.env").write_text(kiln_env(grown, read_manifest(grown)))  # restored here
+    (grown / "inductor" / "fxgraph" / "zz").mkdir(parents=True)
+    (grown / "inductor" / "fxgraph" / "zz" / "entry").write_bytes(b"a server's graph")
+    report = replay(spec, grown, traffic(tmp_path / "t.jsonl", (4, 32), 2))
+    assert not report.ok and report.folder_changes == ["+inductor/fxgraph/zz/entry"]
+    assert report.reasons()[0].startswith("the folder changed since it was restored (1 file(s)")
+
+
 def test_verify_traffic_cli_passes_and_fails_on_an_in_grid_compile(
     mlp: tuple[Path, Path], cli, tmp_path: Path
 ) -> None:

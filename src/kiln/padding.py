@@ -51,6 +51,7 @@ class PadInput:
     name: str
     shape: tuple[str | int, ...]
     pad: bool | int | float | None = None
+    dtype: str | None = None  # the spec's (``int64``); a request of another compiles anew
 
     def axes(self) -> list[tuple[int, str]]:
         """(dimension, axis) for every dimension that is a bucket axis."""
@@ -93,7 +94,7 @@ class PadGrid:
         axes pad (default: the spec's, :meth:`kiln.spec.Spec.paddable_axes`)."""
         axes = tuple(spec.buckets)
         points = [tuple(b.as_dict()[a] for a in axes) for b in buckets or expand(spec)]
-        inputs = tuple(PadInput(i.name, tuple(i.shape), i.pad) for i in spec.inputs)
+        inputs = tuple(PadInput(i.name, tuple(i.shape), i.pad, i.dtype) for i in spec.inputs)
         chosen = spec.paddable_axes() if paddable is None else list(paddable)
         return cls(axes, tuple(points), inputs, frozenset(chosen))
 
@@ -127,7 +128,7 @@ class PadGrid:
             if all(i.pad is not None for i in inputs if a in i.shape)  # carried by one at least
         ]
         chosen = declared if paddable is None else list(paddable)
-        pads = tuple(PadInput(i.name, tuple(i.shape), i.pad) for i in inputs)
+        pads = tuple(PadInput(i.name, tuple(i.shape), i.pad, i.dtype) for i in inputs)
         return cls(tuple(axes), tuple(dict.fromkeys(points)), pads, frozenset(chosen))
 
     # --- questions -----------------------------------------------------------------------

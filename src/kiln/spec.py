@@ -99,7 +99,8 @@ def pad_problem(pad: bool | int | float | None, dtype: str) -> str | None:
         ok = isinstance(pad, bool)
         return None if ok else f"a bool input pads with true or false, not {pad!r}"
     if isinstance(pad, bool):
-        return f"a {dtype} input pads with a number, not {str(pad).lower()}"
+        article = "an" if dtype.startswith("int") else "a"
+        return f"{article} {dtype} input pads with a number, not {str(pad).lower()}"
     if dtype in ("int64", "int32"):
         if not isinstance(pad, int):
             return f"an {dtype} input pads with an integer, not {pad!r}"

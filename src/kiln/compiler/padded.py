@@ -12,9 +12,10 @@ artifact's spec declares ``pad`` values. A call then:
 
 Which output dimensions carry an axis is found once per bucket and axis, not guessed from
 sizes (a hidden size of 256 is not a padded sequence of 256): the eager model runs under
-torch's fake tensor mode (shapes only, no data, no kernels) with that axis at the request's
-size, and a dimension whose size moves one for one with the axis is sliced to the request's
-size. A dimension that moves otherwise (``2 * seq``, a strided convolution, ``batch * seq``
+torch's fake tensor mode (shapes only, no data, no kernels) with that axis at two sizes below
+the bucket's (one less, and half: at one size a pooled ``ceil(seq / 2)`` can stay put), and a
+dimension whose size moves one for one with the axis at both is sliced to the request's size.
+A dimension that moves otherwise (``2 * seq``, a strided convolution, ``batch * seq``
 flattened) cannot be unpadded by slicing: it is returned as the bucket gave it, and a warning
 names it once. On the AOT route the bake finds them instead (:func:`bake_carriers`, recorded
 in the manifest): fake tensors import Dynamo, which that route's server never does. Outputs
@@ -44,7 +45,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from kiln.artifact.manifest import Manifest, PadCarriers, PadOutput
-from kiln.errors import IntegrityError
+from kiln.errors import IntegrityError, ParameterError
 from kiln.grid import Bucket
 from kiln.padding import OffGridError, PadGrid, ShapeError, shape_key, work
 from kiln.serving import DEFAULT_ON_MISS, ON_MISS, OnMiss
@@ -136,9 +137,10 @@ class PaddedModel:
         shapes = {n: tuple(t.shape) for n, t in tensors.items() if hasattr(t, "shape")}
         request = self.grid.axis_sizes(shapes)
         bucket = self.grid.lookup(request)
-        self.stats.last_bucket = bucket
-        if bucket is None:
-            return self._off_grid(request, kwargs)
+        other = self._other_dtype(tensors)  # no baked graph takes it, whatever its shape
+        self.stats.last_bucket = bucket if other is None else None
+        if bucket is None or other is not None:
+            return self._off_grid(request, kwargs, other)
         self.stats.real_work += work(request)
         self.stats.padded_work += work(bucket)
         if bucket == request:
@@ -159,22 +161,38 @@ class PaddedModel:
         return result
 
     # --- off the grid ----------------------------------------------------------------------
-    def _off_grid(self, request: dict[str, int], kwargs: dict[str, Any]) -> Any:
-        key = shape_key(request)
+    def _off_grid(
+        self, request: dict[str, int], kwargs: dict[str, Any], other: str | None = None
+    ) -> Any:
+        """A request no bucket holds, or (``other``) an input of a dtype the bake never saw."""
+        key = shape_key(request) + (f" ({other})" if other else "")
         first = key not in self.stats.off_grid
         self.stats.off_grid[key] += 1
-        why = self.grid.why_off_grid([request[a] for a in self.grid.axes])
+        self.stats.last_overhead_s = 0.0
+        if other is not None:
+            why = f"{shape_key(request)}: {other}: no baked graph takes it"
+        else:
+            why = self.grid.why_off_grid([request[a] for a in self.grid.axes])
         if self.on_miss == "error":
             raise OffGridError(f"{why} (on_miss: error)")
         if first:
             served = "eager" if self.on_miss == "eager" else "compiling it in this process"
             log.warning("kiln: %s: served %s (on_miss: %s)", why, served, self.on_miss)
-        self.stats.last_overhead_s = 0.0
         if self.on_miss == "eager":
             return self.model(**kwargs)
         return self.compiled(**kwargs)
 
     # --- inputs ----------------------------------------------------------------------------
+    def _other_dtype(self, tensors: dict[str, Any]) -> str | None:
+        """The first input whose dtype is not the spec's, in words (None: all are): torch
+        compiles a graph per input dtype, so serving it would compile in this process."""
+        for inp in self.grid.inputs:
+            t = tensors.get(inp.name)
+            got = str(getattr(t, "dtype", "")).removeprefix("torch.")
+            if inp.dtype and got and got != inp.dtype:
+                return f"input {inp.name!r} is {got}, the bake's is {inp.dtype}"
+        return None
+
     def _bind(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> dict[str, Any]:
         """Positional arguments by the forward's own parameter names (kiln calls by keyword)."""
         if self._signature is None:
@@ -211,7 +229,7 @@ class PaddedModel:
             key = (point, axis)
             if key not in self._carriers:
                 shapes = {p: tuple(t.shape) for p, t in leaves}
-                self._carriers[key] = self._probe(axis, request[axis], bucket, kwargs, shapes)
+                self._carriers[key] = self._probe(axis, bucket, kwargs, shapes)
             found = self._carriers[key]
             if found.by_size:  # a probe here warned already; one the bake ran has not
                 self._warn_once(f"probe:{axis}", _unprobed(axis, None))
@@ -238,20 +256,18 @@ class PaddedModel:
     def _probe(
         self,
         axis: str,
-        size: int,
         bucket: dict[str, int],
         kwargs: dict[str, Any],
         at_bucket: dict[Path, tuple[int, ...]],
     ) -> _Carriers:
         """Which output dimensions carry ``axis`` at ``bucket`` (whose outputs have the shapes
-        ``at_bucket``): the eager model run once on fake tensors with ``axis`` at ``size``."""
+        ``at_bucket``): :func:`find_carriers`, once per bucket and axis."""
         self.stats.probes += 1
         try:
-            shapes = fake_shapes(self.model, self.grid, {**bucket, axis: size}, kwargs)
+            return find_carriers(self.model, self.grid, bucket, axis, kwargs, at_bucket)
         except Exception as exc:  # the model does something fake tensors cannot (data access)
             self._warn_once(f"probe:{axis}", _unprobed(axis, exc))
             return _Carriers(by_size=True)
-        return _Carriers.compare(at_bucket, shapes, bucket[axis], size)
 
     def _warn_once(self, key: str, message: str) -> None:
         if key not in self._warned:
@@ -290,6 +306,19 @@ class _Carriers:
             if len(ok) != len(changed):
                 bad.add(path)
         return cls(dims, frozenset(bad))
+
+    def both(self, other: _Carriers) -> _Carriers:
+        """What two probes at different sizes agree on: a dim is sliced only where both saw it
+        move one for one; an output either saw move otherwise (or that moved at one size and
+        not the other: ``ceil(seq / 2)`` is 8 at 15 and at 16) is left padded."""
+        bad = set(self.unsliceable | other.unsliceable)
+        dims: dict[Path, tuple[int, ...]] = {}
+        for path in self.dims.keys() | other.dims.keys():
+            mine, theirs = self.dims.get(path), other.dims.get(path)
+            if mine != theirs:
+                bad.add(path)
+            dims[path] = mine if mine is not None else theirs or ()
+        return _Carriers(dims, frozenset(bad), self.by_size or other.by_size)
 
     def of(self, path: Path, shape: tuple[int, ...], bucket_size: int) -> tuple[int, ...]:
         """The dims of the output at ``path`` to slice."""
@@ -338,14 +367,40 @@ def fake_shapes(
         return {p: tuple(t.shape) for p, t in tensor_leaves(out)}
 
 
+def probe_sizes(bucket_size: int) -> list[int]:
+    """The sizes an axis is probed at below its bucket's: two where there are two (one less,
+    and half), since one size can fall on a plateau of a dim that moves otherwise (a pooling
+    ``ceil(seq / 2)`` is 8 at 15 and at 16); none for a bucket of 1, into which nothing pads."""
+    return sorted({bucket_size - 1, bucket_size // 2} - {0, bucket_size})
+
+
+def find_carriers(
+    model: Any,
+    grid: PadGrid,
+    bucket: dict[str, int],
+    axis: str,
+    kwargs: dict[str, Any],
+    at_bucket: dict[Path, tuple[int, ...]],
+) -> _Carriers:
+    """Which outputs of ``bucket``'s call (of shapes ``at_bucket``) carry ``axis``: the model
+    on fake tensors at each of :func:`probe_sizes`, compared with the bucket's. The same sizes
+    whatever the request, so a server and the bake find the same; raises what the forward
+    raises on fake tensors."""
+    found: _Carriers | None = None
+    for size in probe_sizes(bucket[axis]):
+        moved = fake_shapes(model, grid, {**bucket, axis: size}, kwargs)
+        one = _Carriers.compare(at_bucket, moved, bucket[axis], size)
+        found = one if found is None else found.both(one)
+    return found or _Carriers()
+
+
 def bake_carriers(
     model: Any, grid: PadGrid, bucket: str, kwargs: dict[str, Any]
 ) -> list[PadCarriers]:
     """What :meth:`PaddedModel._probe` finds at run time, found by the bake instead: for each
-    padded axis of ``bucket`` (the call's inputs ``kwargs``), the outputs at the bucket against
-    those at one less along the axis, on fake tensors. For the AOT route, whose server imports
-    no Dynamo, which fake tensors would import (1.7 s on the CPU). A dim that moves one for one
-    with the axis at one size less does at any size: slicing is by the request's size."""
+    padded axis of ``bucket`` (the call's inputs ``kwargs``), :func:`find_carriers` against
+    the bucket's outputs on fake tensors. For the AOT route, whose server imports no Dynamo,
+    which fake tensors would import (1.7 s on the CPU)."""
     sizes = Bucket.parse(bucket).as_dict()
     axes = [a for a in sorted(grid.paddable) if sizes[a] >= 2]  # 1: nothing is padded into it
     if not axes:
@@ -358,12 +413,10 @@ def bake_carriers(
     out: list[PadCarriers] = []
     for axis in axes:
         try:
-            moved = fake_shapes(model, grid, {**sizes, axis: sizes[axis] - 1}, kwargs)
+            found = find_carriers(model, grid, sizes, axis, kwargs, at)
         except Exception as exc:
             log.warning("kiln: %s: %s", bucket, _unprobed(axis, exc))
             found = _Carriers(by_size=True)
-        else:
-            found = _Carriers.compare(at, moved, sizes[axis], sizes[axis] - 1)
         out.append(found.recorded(bucket, axis))
     return out
 
@@ -468,6 +521,8 @@ def with_padding(
     grid = PadGrid.from_manifest(manifest)
     if not grid.pads:
         return compiled
+    if on_miss is not None and on_miss not in ON_MISS:  # the caller's: not the artifact's fault
+        raise ParameterError("on_miss", on_miss, f"one of {', '.join(ON_MISS)}")
     policy = on_miss or (manifest.spec.get("compile") or {}).get("on_miss") or DEFAULT_ON_MISS
     if policy not in ON_MISS:
         raise IntegrityError(f"{manifest.name}: on_miss {policy!r} is not one of {ON_MISS}")

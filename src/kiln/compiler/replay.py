@@ -39,7 +39,13 @@ from kiln.artifact.archive import read_manifest
 from kiln.compiler.counters import CompileCounters
 from kiln.compiler.process import WorkerError, failure_error, heartbeat_interval, log_tail, spawn
 from kiln.compiler.protocol import WorkerFailure
-from kiln.compiler.verify import check_world_size, private_copy
+from kiln.compiler.verify import (
+    changed_line,
+    check_world_size,
+    folder_changes,
+    moved_env,
+    private_copy,
+)
 from kiln.compiler.writes import Snapshot, Watch
 from kiln.errors import (
     NotFoundError,
@@ -141,6 +147,10 @@ class ReplayReport:
     result: ReplayResult
     wall_s: float
     extra: dict[str, Any] = field(default_factory=dict)
+    # How the restored folder differs from what restore installed (as verify reports it): a
+    # folder a server compiled into would pass the replay with graphs the bake never made.
+    folder_changes: list[str] = field(default_factory=list)
+    env_names: str | None = None  # the folder a changed kiln.env names, when not this one
 
     @property
     def in_grid(self) -> list[RequestRecord]:
@@ -156,7 +166,7 @@ class ReplayReport:
 
     @property
     def ok(self) -> bool:
-        return not self.failing and not self.result.new_files
+        return not self.failing and not self.result.new_files and not self.folder_changes
 
     def summary(self) -> dict[str, Any]:
         grid = self.in_grid
@@ -186,7 +196,8 @@ class ReplayReport:
         }
 
     def reasons(self) -> list[str]:
-        out = [
+        out = [changed_line(self.folder_changes, self.env_names)] if self.folder_changes else []
+        out += [
             f"{r.key} (bucket {r.bucket}): {r.compiles} compile(s)"
             + (f": {r.why}" if r.why else "")
             for r in self.failing[:10]
@@ -206,6 +217,7 @@ class ReplayReport:
             "startup_s": round(self.result.startup_s, 3),
             "summary": self.summary(),
             "failing": self.reasons(),
+            "folder_changes": self.folder_changes,
             "padding": self.result.padding,
             "new_files": self.result.new_files[:NEW_FILES_SHOWN],
             "eager_new_files": self.result.eager_new_files[:NEW_FILES_SHOWN],
@@ -259,6 +271,7 @@ def replay(
         device_index=device_index,
     )
     policy = on_miss or manifest.spec.get("compile", {}).get("on_miss") or "error"
+    changes = folder_changes(cache, manifest)
     t0 = time.time()
     # As verify serves (kiln.compiler.verify.serve_copy): a private copy of the folder, an
     # empty HOME and TMPDIR, all watched, so the restored folder stays as found.
@@ -268,7 +281,15 @@ def replay(
         env = cache_env(served, manifest.env) | {"HOME": str(home), "TMPDIR": str(temp)}
         request = request.model_copy(update={"cache": str(served), "watch": watch})
         result = _run(spec, request, env, on_event)
-    return ReplayReport(manifest.name, str(traffic), policy, result, time.time() - t0)
+    return ReplayReport(
+        manifest.name,
+        str(traffic),
+        policy,
+        result,
+        time.time() - t0,
+        folder_changes=changes,
+        env_names=moved_env(cache, manifest, changes),
+    )
 
 
 def _run(
