@@ -379,6 +379,12 @@ def test_an_input_of_another_dtype_follows_on_miss(caplog) -> None:
     assert eager.stats.padded == 0 and "served eager (on_miss: eager)" in caplog.text
 
 
+def test_an_input_that_is_no_tensor_is_named_as_such() -> None:
+    _, fn = served()
+    with pytest.raises(ShapeError, match="input 'ids' is a list, not a tensor"):
+        fn(ids=[[1, 2]], mask=torch.ones(1, 2, dtype=torch.int64))
+
+
 def test_keep_returns_an_output_unsliced() -> None:
     _, fn = served(keep=("tuple.0", "data"))
     out = fn(ids=torch.ones(3, 5, dtype=torch.int64), mask=torch.ones(3, 5, dtype=torch.int64))

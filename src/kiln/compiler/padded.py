@@ -134,7 +134,10 @@ class PaddedModel:
         if args:
             kwargs = self._bind(args, kwargs)
         tensors = {n: kwargs[n] for n in self._names if n in kwargs}
-        shapes = {n: tuple(t.shape) for n, t in tensors.items() if hasattr(t, "shape")}
+        for name, value in tensors.items():
+            if not hasattr(value, "shape"):  # not "missing": the call has it, as something else
+                raise ShapeError(f"input {name!r} is a {type(value).__name__}, not a tensor")
+        shapes = {n: tuple(t.shape) for n, t in tensors.items()}
         request = self.grid.axis_sizes(shapes)
         bucket = self.grid.lookup(request)
         other = self._other_dtype(tensors)  # no baked graph takes it, whatever its shape
