@@ -110,13 +110,14 @@ def kiln_env(dest: Path, manifest: Manifest) -> str:
     )
 
 
+_ENV_LIMIT = 1 << 16  # bytes of a kiln.env read to find where it was written: a few lines
+
+
 def env_folder(dest: Path, manifest: Manifest) -> str | None:
     """The other folder ``dest``'s ``kiln.env`` was written for, where it is exactly the file
     restore writes for ``manifest`` at that path: the folder moved, copied or mounted at
     another path, rather than the file edited. None otherwise (and for a file that is no
     regular one, or larger than restore's could be for that path)."""
-    here = kiln_env(dest, manifest)
-    limit = 4 * len(here) + 4096  # another path may be longer; never a file of any size
     try:
         fd = os.open(CacheLayout(dest).env_file, os.O_RDONLY | os.O_NOFOLLOW)
     except OSError:
@@ -124,7 +125,7 @@ def env_folder(dest: Path, manifest: Manifest) -> str | None:
     with os.fdopen(fd, "rb") as fh:
         if not stat.S_ISREG(os.fstat(fd).st_mode):
             return None
-        text = fh.read(limit + 1).decode(errors="replace")
+        text = fh.read(_ENV_LIMIT + 1).decode(errors="replace")
     prefix = f"export {CACHE_DIR_VAR}="
     line = next((ln for ln in text.splitlines() if ln.startswith(prefix)), None)
     try:
@@ -133,7 +134,7 @@ def env_folder(dest: Path, manifest: Manifest) -> str | None:
         return None
     if named is None or not named.isprintable() or not Path(named).is_absolute():
         return None
-    if len(text) > limit or text != kiln_env(Path(named), manifest):
+    if len(text) > _ENV_LIMIT or text != kiln_env(Path(named), manifest):
         return None
     try:
         if Path(named).samefile(dest):  # the same folder by another spelling or a link

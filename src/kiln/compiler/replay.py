@@ -42,8 +42,7 @@ from kiln.compiler.protocol import WorkerFailure
 from kiln.compiler.verify import (
     changed_line,
     check_world_size,
-    folder_changes,
-    moved_env,
+    folder_drift,
     private_copy,
 )
 from kiln.compiler.writes import Snapshot, Watch
@@ -271,7 +270,7 @@ def replay(
         device_index=device_index,
     )
     policy = on_miss or manifest.spec.get("compile", {}).get("on_miss") or "error"
-    changes = folder_changes(cache, manifest)
+    changes, elsewhere = folder_drift(cache, manifest)
     t0 = time.time()
     # As verify serves (kiln.compiler.verify.serve_copy): a private copy of the folder, an
     # empty HOME and TMPDIR, all watched, so the restored folder stays as found.
@@ -288,7 +287,7 @@ def replay(
         result,
         time.time() - t0,
         folder_changes=changes,
-        env_names=moved_env(cache, manifest, changes),
+        env_names=elsewhere,
     )
 
 

@@ -228,6 +228,13 @@ def changed_line(changes: Sequence[str], elsewhere: str | None = None) -> str:
     )
 
 
+def folder_drift(cache: Path, manifest: Manifest) -> tuple[list[str], str | None]:
+    """:func:`folder_changes` and :func:`moved_env` together: what verify and a traffic
+    replay report of the folder before serving it."""
+    changes = folder_changes(cache, manifest)
+    return changes, moved_env(cache, manifest, changes)
+
+
 def moved_env(cache: Path, manifest: Manifest, changes: Sequence[str]) -> str | None:
     """The folder ``cache``'s changed ``kiln.env`` was written for, when it is restore's file
     for another path: the folder moved, copied or mounted elsewhere, not the file edited (None
@@ -341,8 +348,7 @@ def verify(
     routes = served_routes(manifest, routes)
     grid = [b for b in expand(spec) if keys is None or b.key in keys]
     order_keys = [b.key for b in ordered(grid, order, seed)]
-    changes = folder_changes(cache, manifest)
-    elsewhere = moved_env(cache, manifest, changes)
+    changes, elsewhere = folder_drift(cache, manifest)
     matches = spec.sha256() == manifest.spec_sha256
     differs = [] if matches else differing_keys(manifest.spec, spec.canonical())
     baked_grid = [b.sizes for b in manifest.grid]
