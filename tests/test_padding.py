@@ -120,6 +120,13 @@ def test_fit_is_the_least_work_bucket_that_holds_the_request(
             "does not fit float16",
         ),
         ("  - {name: ids, shape: [batch, seq], pad: .inf}\n", "a pad value is finite"),
+        (  # YAML 1.1 (PyYAML's) reads these as strings: the error spells the float they mean
+            "  - {name: ids, shape: [batch, seq], pad: -1e9}\n",
+            "5:38: inputs.0.pad: a pad value is a number, not the string '-1e9' (YAML 1.1 reads "
+            "an exponent float only with a dot and a signed exponent): write -1.0e+9",
+        ),
+        ("  - {name: ids, shape: [batch, seq], pad: 2.5E3}\n", "write 2.5e+3"),
+        ("  - {name: ids, shape: [batch, seq], pad: '.5e4'}\n", "write 0.5e+4"),
         (
             "  - {name: ids, shape: [batch, seq], dtype: bool, pad: 0}\n",
             "a bool input pads with true or false",
@@ -143,6 +150,20 @@ def test_pad_values_are_checked_at_load_with_their_location(inputs: str, expecte
     with pytest.raises(SpecError) as err:
         parse_spec(spec_text(inputs), file="spec.yaml")
     assert expected in str(err.value)
+    assert "\n" not in str(err.value)
+
+
+@pytest.mark.parametrize(("written", "meant"), [("-1e9", -1e9), ("2.5E3", 2.5e3), ("1.e5", 1e5)])
+def test_the_spelling_a_pad_error_offers_loads_as_the_float_meant(
+    written: str, meant: float
+) -> None:
+    def pad(value: str) -> str:
+        return spec_text(f"  - {{name: ids, shape: [batch, seq], pad: {value}}}\n")
+
+    with pytest.raises(SpecError) as err:
+        parse_spec(pad(written))
+    spelled = str(err.value).rpartition("write ")[2]
+    assert parse_spec(pad(spelled)).inputs[0].pad == meant
 
 
 def test_on_miss_is_one_of_the_policies() -> None:

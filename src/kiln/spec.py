@@ -49,6 +49,7 @@ from kiln.spec_yaml import (
     located_error,
     printable,
     read_mapping,
+    yaml11_float,
 )
 from kiln.workdir import workdir_problem
 
@@ -236,6 +237,11 @@ class InputSpec(_Strict):
     @field_validator("pad", mode="before")
     @classmethod
     def _pad_is_a_number(cls, pad: Any) -> Any:
+        if isinstance(pad, str) and (spelled := yaml11_float(pad)) is not None:
+            raise ValueError(
+                f"a pad value is a number, not the string {pad!r} (YAML 1.1 reads an exponent "
+                f"float only with a dot and a signed exponent): write {spelled}"
+            )
         if pad is not None and not isinstance(pad, (bool, int, float)):
             raise ValueError(f"a pad value is a number or true/false, not {type(pad).__name__}")
         if isinstance(pad, float) and not math.isfinite(pad):

@@ -11,6 +11,7 @@ handed in. Torch-free.
 from __future__ import annotations
 
 import difflib
+import re
 import types
 from typing import Any, Union, get_args, get_origin
 
@@ -42,6 +43,25 @@ def did_you_mean(word: str, choices: Any) -> str:
     """`` (did you mean 'x'?)`` when one of ``choices`` is close to ``word``, else nothing."""
     close = difflib.get_close_matches(word, [str(c) for c in choices], n=1)
     return f" (did you mean {close[0]!r}?)" if close else ""
+
+
+# An exponent float as YAML 1.2 and JSON write it (``1e9``, ``-1.5E-3``): YAML 1.1, which PyYAML
+# reads, takes a float only with a dot and a signed exponent, and reads these as strings.
+_EXPONENT_FLOAT = re.compile(r"([-+]?)([0-9]*)(?:\.([0-9]*))?[eE]([-+]?)([0-9]+)")
+
+
+def yaml11_float(text: str) -> str | None:
+    """``text`` as YAML 1.1 spells the float it means (``-1e9``: ``-1.0e+9``), when it is an
+    exponent float that YAML 1.1 read as a string; else None. A value that reached the spec as
+    the string ``"-1e9"`` was meant as a number: the error names the spelling that is one."""
+    match = _EXPONENT_FLOAT.fullmatch(text)
+    if match is None:
+        return None
+    sign, whole, fraction, exp_sign, exponent = match.groups()
+    if not (whole or fraction):
+        return None
+    spelled = f"{sign}{whole or '0'}.{fraction or '0'}e{exp_sign or '+'}{exponent}"
+    return spelled if isinstance(yaml.safe_load(spelled), float) else None
 
 
 def fields_at(model: type[BaseModel], loc: tuple[str | int, ...]) -> list[str]:
