@@ -50,6 +50,16 @@ def test_fit_picks_the_smallest_bucket_that_holds_the_request() -> None:
         grid.fit(batch=1)
 
 
+def test_a_negative_size_is_a_shape_error_naming_its_axis() -> None:
+    """No tensor has one: an engine that sizes its own requests has a bug, which a bucket that
+    "holds" it (every bucket does) would hide."""
+    grid = PadGrid.from_spec(parse_spec(spec_text(TOKENS + MASK)))
+    with pytest.raises(ShapeError, match=r"never negative: seq=-1$"):
+        grid.fit(batch=3, seq=-1)
+    with pytest.raises(ShapeError, match=r"never negative: batch=-3, seq=-5$"):
+        grid.lookup({"batch": -3, "seq": -5})
+
+
 def test_fit_honours_exclusions() -> None:
     spec = parse_spec(spec_text(TOKENS, extra="exclude:\n  - {batch: 4, seq: 256}\n"))
     grid = PadGrid.from_spec(spec)

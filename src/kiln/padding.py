@@ -143,7 +143,8 @@ class PadGrid:
 
     def fit(self, sizes: Mapping[str, int] | None = None, /, **kw: int) -> Sizes:
         """The smallest baked bucket that holds ``sizes`` (every axis named), as axis sizes;
-        :class:`OffGridError`, saying why, when none does."""
+        :class:`OffGridError`, saying why, when none does; :class:`ShapeError` for a request no
+        bucket choice makes right (an axis missing or unknown, a size below 0)."""
         request = self._request({**(sizes or {}), **kw})
         found = self._fit(request)
         if found is None:
@@ -161,7 +162,11 @@ class PadGrid:
         if missing or extra:
             what = f"missing {', '.join(missing)}" if missing else f"unknown {', '.join(extra)}"
             raise ShapeError(f"a request names every axis ({', '.join(self.axes)}): {what}")
-        return tuple(int(sizes[a]) for a in self.axes)
+        request = tuple(int(sizes[a]) for a in self.axes)
+        negative = [f"{a}={n}" for a, n in zip(self.axes, request, strict=True) if n < 0]
+        if negative:  # no tensor has such a size: a caller's bug, which no bucket must hide
+            raise ShapeError(f"a request's sizes are never negative: {', '.join(negative)}")
+        return request
 
     def _fit(self, request: tuple[int, ...]) -> tuple[int, ...] | None:
         if request in self._fits:
