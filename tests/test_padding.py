@@ -50,6 +50,14 @@ def test_fit_picks_the_smallest_bucket_that_holds_the_request() -> None:
         grid.fit(batch=1)
 
 
+def test_an_empty_axis_is_off_the_grid() -> None:
+    """Padded up, a request of seq=0 would be served a bucket of padding alone."""
+    grid = PadGrid.from_spec(parse_spec(spec_text(TOKENS + MASK)))
+    with pytest.raises(OffGridError, match=r"^batch=3,seq=0 is off the grid: seq is empty"):
+        grid.fit(batch=3, seq=0)
+    assert grid.lookup({"batch": 0, "seq": 5}) is None
+
+
 def test_a_negative_size_is_a_shape_error_naming_its_axis() -> None:
     """No tensor has one: an engine that sizes its own requests has a bug, which a bucket that
     "holds" it (every bucket does) would hide."""
@@ -450,6 +458,20 @@ def test_off_grid_requests_follow_on_miss_counted_and_logged_once(policy: str, c
     assert calls == ([{"ids": (5, 3), "mask": (5, 3)}] * 2 if policy == "compile" else [])
     logged = caplog.text.count("batch=5,seq=3 is off the grid")
     assert logged == (0 if policy == "error" else 1)
+
+
+@pytest.mark.parametrize("policy", ON_MISS)
+def test_a_request_with_an_empty_axis_follows_on_miss(policy: str) -> None:
+    calls: list[dict] = []
+    model, fn = served(on_miss=policy, calls=calls)
+    empty = torch.ones(3, 0, dtype=torch.int64)
+    if policy == "error":
+        with pytest.raises(OffGridError, match=r"seq is empty, and no bucket is \(on_miss"):
+            fn(ids=empty, mask=empty)
+    else:
+        assert close(fn(ids=empty, mask=empty), model(ids=empty, mask=empty))
+    assert fn.stats.off_grid == {"batch=3,seq=0": 1} and fn.stats.padded == 0
+    assert calls == ([{"ids": (3, 0), "mask": (3, 0)}] if policy == "compile" else [])
 
 
 def test_inconsistent_inputs_are_a_shape_error() -> None:

@@ -34,8 +34,8 @@ _INPUTS = TypeAdapter(list[InputSpec])
 
 
 class OffGridError(UsageError):
-    """A request no baked bucket holds (``on_miss: error``): larger than the largest bucket, or
-    a size of an axis that is not padded which no bucket has."""
+    """A request no baked bucket holds (``on_miss: error``): larger than the largest bucket, a
+    size of an axis that is not padded which no bucket has, or an empty axis (``seq=0``)."""
 
 
 class ShapeError(UsageError):
@@ -169,6 +169,8 @@ class PadGrid:
         return request
 
     def _fit(self, request: tuple[int, ...]) -> tuple[int, ...] | None:
+        if 0 in request:  # padded up, the call would compute nothing but padding: no bucket's
+            return None
         if request in self._fits:
             return self._fits[request]
         rounds = [a in self.paddable for a in self.axes]
@@ -193,6 +195,8 @@ class PadGrid:
         sizes = self.sizes()
         for axis, size in zip(self.axes, request, strict=True):
             baked = sizes[axis]
+            if size == 0:
+                return f"{shown} is off the grid: {axis} is empty, and no bucket is"
             if axis in self.paddable and size > baked[-1]:
                 return (
                     f"{shown} is off the grid: {axis}={size} is larger than its largest "
