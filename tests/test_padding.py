@@ -432,6 +432,28 @@ def test_keep_returns_an_output_unsliced() -> None:
     assert out["named"].first.shape == (3, 5)
 
 
+def test_a_keep_path_no_output_has_is_refused_naming_the_outputs() -> None:
+    """A misspelt path would keep nothing: the output it meant would come back sliced."""
+    from kiln.errors import ParameterError
+
+    ids = torch.ones(3, 5, dtype=torch.int64)
+    _, fn = served(keep=("tuple.0", "tupel.1"))
+    with pytest.raises(ParameterError) as err:
+        fn(ids=ids, mask=ids)
+    assert str(err.value) == (
+        "keep='tupel.1': no output is at this path (did you mean 'tuple.1'?) (the outputs: "
+        "data, doubled, named, tuple, data.hidden, data.pooled, named.0, named.1, tuple.0, "
+        "tuple.1)"
+    )
+    _, exact = served(keep=("named.first",))  # a named tuple's items are its indexes
+    with pytest.raises(ParameterError, match=r"keep='named\.first': no output is at this path"):
+        exact(ids=torch.ones(2, 8, dtype=torch.int64), mask=torch.ones(2, 8, dtype=torch.int64))
+    # An unset field (a ModelOutput's attentions=None) names what another call returns.
+    from kiln.compiler.padded import output_paths
+
+    assert list(output_paths(Out(torch.ones(1), None))) == [("hidden",), ("pooled",)]
+
+
 def test_an_exact_bucket_is_passed_through() -> None:
     calls: list[dict] = []
     _, fn = served(calls=calls)

@@ -100,7 +100,8 @@ class Activation:
         When the spec declares ``pad`` values, each request is padded up to its baked bucket
         and the outputs sliced back (:mod:`kiln.compiler.padded`); ``on_miss`` (default: the
         spec's ``compile.on_miss``, else ``error``) decides a request no bucket holds, and
-        ``keep`` names outputs to return unsliced.
+        ``keep`` names outputs to return unsliced (a path no output has is a
+        :class:`~kiln.errors.ParameterError` at the first call that returns outputs).
 
         A ``compile.route: aoti`` artifact is served from its packages instead
         (:class:`~kiln.compiler.aoti_serve.AotiModel`): picked by input shapes, with the model's

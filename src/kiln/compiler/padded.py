@@ -49,10 +49,12 @@ from kiln.errors import IntegrityError, ParameterError
 from kiln.grid import Bucket
 from kiln.padding import OffGridError, PadGrid, ShapeError, shape_key, work
 from kiln.serving import DEFAULT_ON_MISS, ON_MISS, OnMiss
+from kiln.spec_yaml import did_you_mean
 
 log = logging.getLogger("kiln")
 
 Path = tuple[str, ...]  # an output's place: ("logits",), ("0",), ("hidden", "1")
+_KNOWN_SHOWN = 12  # output paths an error about ``keep`` lists
 
 
 @dataclass
@@ -106,6 +108,7 @@ class PaddedModel:
             raise ValueError(f"on_miss={on_miss!r}: one of {', '.join(ON_MISS)}")
         self.compiled, self.model, self.grid, self.on_miss = compiled, model, grid, on_miss
         self.keep = frozenset(tuple(k.split(".")) for k in keep)
+        self._keep_checked = not self.keep  # against the first call's outputs
         self.stats = PaddingStats()
         self._names = [i.name for i in grid.inputs]
         self._signature = _signature(model)
@@ -149,7 +152,9 @@ class PaddedModel:
         if bucket == request:
             self.stats.exact += 1
             self.stats.last_overhead_s = time.perf_counter() - t0
-            return self.compiled(**kwargs)
+            out = self.compiled(**kwargs)
+            self._check_keep(out)
+            return out
         self.stats.padded += 1
         grown = [a for a in self.grid.axes if bucket[a] != request[a]]
         padded = dict(kwargs)
@@ -225,6 +230,7 @@ class PaddedModel:
         kwargs: dict[str, Any],
     ) -> Any:
         """``out`` with every dimension that carried a grown axis sliced to the request's size."""
+        self._check_keep(out)
         leaves = list(tensor_leaves(out))
         point = tuple(bucket[a] for a in self.grid.axes)
         carriers = []
@@ -255,6 +261,25 @@ class PaddedModel:
                     )
             targets[path] = sizes
         return _rebuild(out, (), targets)
+
+    def _check_keep(self, out: Any) -> None:
+        """Each ``keep`` path must name a place in the outputs (checked once, at the first call
+        that returns some): a misspelt one keeps nothing, and the output it meant would come
+        back sliced without a word."""
+        if self._keep_checked:
+            return
+        paths = set(output_paths(out))
+        unknown = sorted(".".join(k) for k in self.keep - paths)
+        if unknown:
+            known = sorted((".".join(p) for p in paths), key=lambda p: (p.count("."), p))
+            listed = ", ".join(known[:_KNOWN_SHOWN]) + (", …" if len(known) > _KNOWN_SHOWN else "")
+            raise ParameterError(
+                "keep",
+                unknown[0],
+                f"no output is at this path{did_you_mean(unknown[0], known)} (the outputs: "
+                f"{listed or 'one tensor, which no path names'})",
+            )
+        self._keep_checked = True
 
     def _probe(
         self,
@@ -456,6 +481,23 @@ def tensor_leaves(obj: Any, path: Path = ()) -> Iterator[tuple[Path, Any]]:
     elif dataclasses.is_dataclass(obj) and not isinstance(obj, type):
         for f in dataclasses.fields(obj):
             yield from tensor_leaves(getattr(obj, f.name), (*path, f.name))
+
+
+def output_paths(obj: Any, path: Path = ()) -> Iterator[Path]:
+    """Every place in an output that ``keep`` can name: each item of each container, as
+    :func:`tensor_leaves` walks them, a dataclass's unset fields included (a ``ModelOutput``'s
+    ``attentions=None`` names what a call with ``output_attentions`` returns)."""
+    if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
+        items = [(f.name, getattr(obj, f.name)) for f in dataclasses.fields(obj)]
+    elif isinstance(obj, dict):
+        items = [(str(k), v) for k, v in obj.items()]
+    elif isinstance(obj, (tuple, list)):
+        items = [(str(i), v) for i, v in enumerate(obj)]
+    else:
+        return
+    for key, value in items:
+        yield (*path, key)
+        yield from output_paths(value, (*path, key))
 
 
 def _rebuild(obj: Any, path: Path, targets: dict[Path, list[int | None]]) -> Any:
