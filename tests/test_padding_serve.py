@@ -94,6 +94,11 @@ def test_off_grid_policies(mlp: tuple[Path, Path], tmp_path: Path) -> None:
     refused = replay(spec, cache, log, on_miss="error")
     assert refused.ok and refused.summary()["off_grid"] == 3
     assert [r.latency_s for r in refused.off_grid] == [None, None, None]
+    # Each refusal's record says why, in the words of the OffGridError a server's caller gets.
+    seq = "batch=2,seq=40 is off the grid: seq=40 is larger than its largest bucket (32)"
+    batch = "batch=5,seq=3 is off the grid: batch=5 is larger than its largest bucket (4)"
+    assert [r.why for r in refused.off_grid] == [f"{w} (on_miss: error)" for w in (seq, batch, seq)]
+    assert all(r.why is None for r in refused.in_grid)
     assert refused.result.padding["off_grid_shapes"] == {"batch=2,seq=40": 2, "batch=5,seq=3": 1}
     eager = replay(spec, cache, log, on_miss="eager", eager=True)
     assert eager.ok and eager.summary()["compiles_off_grid"] == 0

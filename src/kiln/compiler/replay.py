@@ -22,7 +22,6 @@ failed.
 
 from __future__ import annotations
 
-import contextlib
 import math
 import shutil
 import sys
@@ -98,7 +97,11 @@ class RequestRecord(_Message):
     overhead_s: float = Field(0.0, description="host time the padding path added")
     eager_s: float | None = None
     max_abs_diff: float | None = Field(None, description="served vs unpadded eager, real slice")
-    why: str | None = Field(None, description="a precompiled miss's failing guard (torch's words)")
+    why: str | None = Field(
+        None,
+        description="a precompiled miss's failing guard (torch's words), or why an off-grid "
+        "request was refused (on_miss error: the OffGridError's line)",
+    )
 
 
 class ReplayResult(_Message):
@@ -453,6 +456,14 @@ class _Replayer:
         self.sync()
         return out, time.perf_counter() - t0
 
+    def _refusable(self, kwargs: dict[str, Any]) -> tuple[float | None, str | None]:
+        """The served call's latency, or (on_miss error) None and the refusal's one line, which
+        the record carries: the report then says why, as the server's caller would read it."""
+        try:
+            return self._timed(self.served, kwargs)[1], None
+        except OffGridError as exc:
+            return None, str(exc)
+
     def serve(self, sizes: list[int], seed: int) -> RequestRecord:
         from kiln.compiler.counters import compile_counts
 
@@ -461,12 +472,10 @@ class _Replayer:
         before, mark = CompileCounters.read(), self.dynamo.mark()
         missed = getattr(self.served, "misses", 0)
         pre = self.settle() if at is None else None
-        latency: float | None = None
-        with contextlib.suppress(OffGridError):  # refused off the grid (on_miss error)
-            _, latency = self._timed(self.served, kwargs)
+        latency, refused = self._refusable(kwargs)
         traced = len(self.dynamo.frames_since(mark)) if self.frames else 0
         misses = getattr(self.served, "misses", 0) - missed
-        why = getattr(self.served, "miss_reason", None) if misses else None
+        why = (getattr(self.served, "miss_reason", None) if misses else None) or refused
         written: list[str] = []
         if pre is not None:  # off the grid: what it wrote is its own, not the grid's
             self.last = self.watch.snapshot()
