@@ -141,6 +141,52 @@ def test_a_bad_shard_is_one_line_exit_2(cli, write_spec, shard: str, why: str) -
     assert "sharding needs compile.dynamic: false" in one_error_line(dynamic.stderr)
 
 
+def test_bake_output_folder_and_unwritable_paths(tmp_path: Path) -> None:
+    """``-o`` an existing folder (or a path ending in ``/``) writes NAME.kiln.tar.zst in it,
+    as push does; a path that cannot be written is refused before any work."""
+    from kiln.artifact.archive import artifact_target
+    from kiln.errors import ParameterError
+
+    name = "m.shard-0-of-2.kiln.tar.zst"
+    assert artifact_target(tmp_path, name) == tmp_path / name
+    assert artifact_target(f"{tmp_path}/new/", name) == tmp_path / "new" / name
+    assert artifact_target(tmp_path / "a" / "b.kiln.tar.zst", name) == tmp_path / "a/b.kiln.tar.zst"
+    (tmp_path / name).mkdir()
+    with pytest.raises(ParameterError, match="is a folder"):
+        artifact_target(tmp_path, name)
+    (tmp_path / "file").write_text("x")
+    with pytest.raises(ParameterError, match=f"{tmp_path}/file is not a folder"):
+        artifact_target(tmp_path / "file" / "sub" / "x.kiln.tar.zst", name)
+
+
+def test_bake_to_an_unwritable_output_is_exit_2_before_torch(
+    cli, write_spec, read_only_mount: Path
+) -> None:
+    """The bake was lost: it compiled for minutes, then failed to write OUT (exit 1)."""
+    spec = write_spec(mlp_spec())
+    subprocess.run(["mount", "-o", "remount,ro", str(read_only_mount)], check=True)
+    for out in (read_only_mount, read_only_mount / "sub" / "x.kiln.tar.zst"):
+        proc = cli("bake", spec, "-o", out, no_torch=True)  # torch blocked: nothing compiles
+        assert proc.returncode == 2, proc.stderr
+        assert one_error_line(proc.stderr) == (
+            f"kiln: error: --out '{out}': {read_only_mount} is not writable"
+        )
+
+
+@pytest.mark.slow  # a real bake (one pass, unproven)
+def test_bake_into_an_existing_folder_keeps_the_artifact_name(cli, write_spec, tmp_path) -> None:
+    """`kiln bake spec -o out/` baked fully, then failed to rename its temporary file onto the
+    folder (exit 1, the bake lost); push and restore already took a folder."""
+    spec = write_spec(mlp_spec(buckets="batch: [2]"))
+    out = tmp_path / "out"
+    out.mkdir()
+    proc = cli("bake", spec, "-o", out, "--no-prove", "--json")
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    artifact = out / "tiny-mlp.kiln.tar.zst"
+    assert json.loads(proc.stdout)["artifact"] == str(artifact)
+    assert [p.name for p in out.iterdir()] == [artifact.name]
+
+
 # --- issue 29, item 5: a file that is no artifact is named as such ----------------------------
 def not_artifacts(tmp_path: Path) -> dict[str, Path]:
     """Files people hand to kiln by mistake: text, a plain tarball, zstd that is no tar."""

@@ -27,7 +27,13 @@ from kiln.artifact.manifest import (
     first_problem,
     folders_of,
 )
-from kiln.errors import IntegrityError, NotAnArtifactError, NotFoundError, UsageError
+from kiln.errors import (
+    IntegrityError,
+    NotAnArtifactError,
+    NotFoundError,
+    ParameterError,
+    UsageError,
+)
 from kiln.files import CHUNK, atomic_write
 from kiln.layout import MANIFEST_NAME, MAX_MANIFEST_BYTES, CacheLayout
 
@@ -91,6 +97,25 @@ class HashingWriter(io.RawIOBase):
         self.sha.update(data)
         self.size += len(data)
         return self._fh.write(data)
+
+
+def artifact_target(out: str | Path, name: str) -> Path:
+    """Where an artifact named ``name`` (``NAME.kiln.tar.zst``) is written for ``out``: inside
+    ``out`` when it is an existing folder or ends in ``/`` (as ``kiln push`` keeps the name),
+    else ``out`` itself. Raises :class:`~kiln.errors.ParameterError` (exit 2) when it could not
+    be written there: called before the work that makes the artifact (a bake takes minutes),
+    not after it."""
+    target = Path(out) / name if str(out).endswith("/") or Path(out).is_dir() else Path(out)
+    if target.is_dir():
+        raise ParameterError("out", str(out), f"{target} is a folder")
+    folder = target.parent.absolute()
+    while not os.path.lexists(folder) and folder != folder.parent:
+        folder = folder.parent  # atomic_write makes the missing folders: this one must allow it
+    if not folder.is_dir():
+        raise ParameterError("out", str(out), f"{folder} is not a folder")
+    if not os.access(folder, os.W_OK | os.X_OK):
+        raise ParameterError("out", str(out), f"{folder} is not writable")
+    return target
 
 
 def write_artifact(

@@ -45,7 +45,8 @@ def bake_cmd(
         None,
         "--out",
         "-o",
-        help="Artifact path (a shard's: NAME.shard-I-of-N.kiln.tar.zst).",
+        help="Artifact path, or a folder to write NAME.kiln.tar.zst into (a shard's: "
+        "NAME.shard-I-of-N.kiln.tar.zst).",
         show_default="NAME.kiln.tar.zst",  # shown by typer, never read as markup
     ),
     passes: int = typer.Option(
@@ -102,15 +103,17 @@ def bake_cmd(
 
 
 def _bake_target(spec: Spec, out: Path | None, sliced: Shard | None) -> Path:
-    """Where the bake writes: OUT, else NAME[.shard-I-of-N].kiln.tar.zst. A slice the grid
-    cannot give is refused here, before torch loads."""
-    from kiln.artifact.archive import ARTIFACT_SUFFIX
+    """Where the bake writes: OUT, else NAME[.shard-I-of-N].kiln.tar.zst (also inside OUT when
+    it is a folder). A slice the grid cannot give, or an OUT that cannot be written, is refused
+    here, before torch loads."""
+    from kiln.artifact.archive import ARTIFACT_SUFFIX, artifact_target
     from kiln.grid import expand, shard_grid
 
     if sliced is not None:
         shard_grid(spec, expand(spec), sliced)
     suffix = sliced.suffix if sliced is not None else ""
-    return out or Path(f"{spec.name}{suffix}{ARTIFACT_SUFFIX}")
+    name = f"{spec.name}{suffix}{ARTIFACT_SUFFIX}"
+    return artifact_target(out if out is not None else name, name)
 
 
 def _bake_summary(result: BakeResult, signed: SignResult | None) -> dict[str, Any]:

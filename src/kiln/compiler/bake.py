@@ -36,7 +36,13 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from kiln import bytecode
-from kiln.artifact.archive import sha256_file, source_date_epoch, write_artifact
+from kiln.artifact.archive import (
+    ARTIFACT_SUFFIX,
+    artifact_target,
+    sha256_file,
+    source_date_epoch,
+    write_artifact,
+)
 from kiln.artifact.manifest import (
     MAX_GRAPH_BREAKS,
     RANKS_FORMAT,
@@ -152,7 +158,9 @@ def bake(
     keep_workdir: Path | None = None,
     shard: Shard | tuple[int, int] | str | None = None,
 ) -> BakeResult | FollowerResult:
-    """Compile ``spec``'s grid and write a deterministic artifact to ``out``.
+    """Compile ``spec``'s grid and write a deterministic artifact to ``out`` (an existing
+    folder, or a path ending in ``/``: ``NAME[.shard-I-of-N].kiln.tar.zst`` inside it; one that
+    cannot be written is a :class:`~kiln.errors.ParameterError` before anything compiles).
 
     ``prove`` (the default) ends the bake with a fresh process that serves the packed artifact,
     restored at another path, over the whole grid in a new order; whatever it compiles is baked
@@ -174,8 +182,9 @@ def bake(
     if launched is not None and launched.rank != 0:
         user_launch.follow(spec, launched, _workdir_base() / spec.name)
         return FollowerResult(launched.rank, launched.world_size)
-    out = Path(out)
     sliced = Shard.of(shard) if shard is not None else None
+    # Before any work: an OUT that cannot be written fails now, not after minutes of compiling.
+    out = artifact_target(out, f"{spec.name}{sliced.suffix if sliced else ''}{ARTIFACT_SUFFIX}")
     buckets = _baked_buckets(spec, sliced)
     workdir = _bake_workdir(spec)
     if passes is not None and not 1 <= passes <= MAX_PASSES:
