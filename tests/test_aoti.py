@@ -253,6 +253,30 @@ def test_verify_and_check_serve_the_route(aoti_baked, cli) -> None:
 
 
 @pytest.mark.slow
+def test_restore_and_check_name_the_one_route_that_serves_packages(
+    aoti_baked, cli, tmp_path: Path
+) -> None:
+    """A plain torch.compile compiles every bucket of an AOT artifact (its packages are no
+    Inductor cache): restore said `. DIR/kiln.env` and check said "will hit here"."""
+    spec, _, manifest = aoti_baked
+    artifact = spec.parent / f"{manifest.name}.kiln.tar.zst"
+    dest = tmp_path / "aot cache"
+    restored = cli("restore", artifact, "--dest", dest, no_torch=True)
+    assert restored.returncode == 0, restored.stderr
+    (line,) = [x for x in restored.stdout.splitlines() if x.startswith("serve with: ")]
+    assert line.startswith(f"serve with: kiln.activate({str(dest)!r}).compile(model) ("), line
+    assert "kiln.env" not in line
+    check = cli("check", dest)
+    assert check.returncode == 0, check.stderr[-2000:]
+    verdict = " ".join(check.stdout.split())
+    assert (
+        f"will serve here only through kiln.activate({str(dest)!r}).compile(model) (a plain "
+        "torch.compile of the model compiles every bucket)"
+    ) in verdict, verdict
+    assert "will hit here" not in verdict
+
+
+@pytest.mark.slow
 def test_verify_names_another_model_and_an_unbaked_bucket_in_the_routes_words(
     aoti_baked, tmp_path: Path, cli
 ) -> None:

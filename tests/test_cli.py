@@ -377,6 +377,20 @@ def test_check_of_a_moved_folder_is_exit_5_naming_the_cache_location(cli, tmp_pa
     assert f"will hit here once the server sources {moved}/kiln.env or calls" in verdict, verdict
 
 
+def test_restore_says_how_to_serve_a_folder_whose_path_has_a_space(cli, tmp_path: Path) -> None:
+    """The line restore prints is pasted into a shell: a path with a space is quoted."""
+    from tests.archives import good_archive
+
+    dest = tmp_path / "my cache"
+    proc = cli("restore", good_archive(tmp_path / "a.kiln.tar.zst"), "--dest", dest, no_torch=True)
+    assert proc.returncode == 0, proc.stderr
+    (line,) = [x for x in proc.stdout.splitlines() if x.startswith("serve with: ")]
+    assert line == f"serve with: . '{dest}/kiln.env'"
+    pasted = line.removeprefix("serve with: ") + ' && printf %s "$KILN_CACHE_DIR"'
+    sourced = subprocess.run(["sh", "-c", pasted], capture_output=True, text=True, check=True)
+    assert sourced.stdout == str(dest)
+
+
 def test_verify_names_a_moved_folder_by_the_path_its_kiln_env_names(tmp_path: Path) -> None:
     """A folder moved, copied or mounted at another path than restore wrote it for is not
     "something wrote into it": its kiln.env names the other path, and verify says so."""

@@ -12,7 +12,7 @@ from rich.console import Console
 from kiln.artifact.storage import DEFAULT_TIMEOUT
 from kiln.cli.options import JSON, QUIET
 from kiln.cli.output import Output, esc, flagged
-from kiln.cli.render import bundle_view, human_bytes, manifest_view
+from kiln.cli.render import bundle_view, human_bytes, manifest_view, serve_hint
 
 if TYPE_CHECKING:
     from kiln.artifact.restore import RestoreResult
@@ -139,7 +139,7 @@ def _restored_view(c: Console, result: RestoreResult) -> None:
     if result.replaced is not None:
         old = result.replaced
         c.print(f"replaced [bold]{esc(old['name'])}[/] (sha256 {old['sha256'][:12]}…)")
-    c.print(f"serve with: . {esc(result.env_file)}")
+    c.print(f"serve with: {esc(serve_hint(result.manifest, result.dest, result.env_file))}")
 
 
 def push_cmd(

@@ -7,7 +7,9 @@ are printed through :func:`print_table`, which never cuts a cell. Torch-free.
 
 from __future__ import annotations
 
+import shlex
 from collections.abc import Iterable
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from rich.console import Console
@@ -240,6 +242,19 @@ def aoti_line(m: Manifest) -> str:
         f"route: aoti: {programs} on {a.device}, {weights}, off-grid inputs: {a.on_miss}; "
         "served by kiln.activate().compile() without Dynamo or Inductor"
     )
+
+
+# What a plain torch.compile does with an AOT artifact (restore's hint and check's verdict).
+NO_PLAIN = "a plain torch.compile of the model compiles every bucket"
+
+
+def serve_hint(m: Manifest, dest: Path, env_file: Path) -> str:
+    """How a server uses the folder restored at ``dest``, as a line to copy and paste: source
+    ``env_file`` (shell-quoted); an AOT artifact's packages are no cache that a plain
+    ``torch.compile`` could hit, so only ``kiln.activate(DIR).compile(model)`` serves them."""
+    if m.route == "aoti":
+        return f"kiln.activate({str(dest)!r}).compile(model) (AOTInductor packages: {NO_PLAIN})"
+    return f". {shlex.quote(str(env_file))}"
 
 
 def manifest_view(console: Console, m: Manifest, digest: str | None = None) -> None:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import shlex
 from enum import Enum
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -12,6 +13,7 @@ from rich.console import Console
 from kiln.cli.options import DEVICE_INDEX, JSON, ORDER, QUIET, OnMissChoice
 from kiln.cli.output import Output, esc
 from kiln.cli.render import (
+    NO_PLAIN,
     bucket_table,
     factor_table,
     ms,
@@ -60,10 +62,18 @@ def check_cmd(
 
     def human(c: Console) -> None:
         print_table(c, factor_table(report, all_rows=all_rows or report.ok))
-        if report.ok:
+        if report.ok and report.route == "aoti":  # packages, not caches: one route serves them
+            folder = repr(str(target)) if target.is_dir() else "DIR"  # a file: not restored yet
+            how = f"kiln.activate({folder}).compile(model)"
+            c.print(
+                f"[green]compatible[/]: {esc(report.name)} will serve here only through "
+                f"{esc(how)} ({NO_PLAIN})"
+            )
+        elif report.ok:
             # Judged as a server has it after kiln.env: say so where this shell lacks it.
             unset = any(f.name == LOCATION_FACTOR and f.here is None for f in report.factors)
-            then = f" once the server sources {esc(str(target))}/kiln.env or calls kiln.activate()"
+            env = shlex.quote(f"{target}/kiln.env")
+            then = f" once the server sources {esc(env)} or calls kiln.activate()"
             c.print(
                 f"[green]compatible[/]: {esc(report.name)} will hit here{then if unset else ''}"
             )
