@@ -312,6 +312,15 @@ def test_the_cache_location_factor(tmp_path: Path) -> None:
     moved = location_factor(dest, manifest, None, {FACTOR[4:]: str(tmp_path / "old/inductor")})
     assert moved is not None and moved.causes_miss and not moved.matches
     assert moved.baked == str(dest / "inductor") and moved.here == str(tmp_path / "old/inductor")
+    # Worded as what it compares: DIR's own folder (no baked value), and where this process
+    # looks (a moved folder's kiln.env names the old path), never "baked" for the new path.
+    from kiln.compiler.check import CheckReport
+
+    message = CheckReport("demo", [moved], {}, {}).miss_message()
+    assert message == (
+        f"demo: caches will miss: {FACTOR} (DIR's caches are in '{dest}/inductor', this process "
+        f"uses '{tmp_path}/old/inductor')"
+    )
 
 
 def test_a_moved_triton_cache_is_unset_by_kiln_env_and_named_by_check(tmp_path: Path) -> None:
@@ -377,6 +386,35 @@ def test_check_of_a_moved_folder_is_exit_5_naming_the_cache_location(cli, tmp_pa
     assert f"will hit here once the server sources {moved}/kiln.env or calls" in verdict, verdict
 
 
+@pytest.mark.slow  # the session's real bake, and two checks that compile the CPU-ISA probes
+def test_check_in_a_server_environment_names_each_kiln_env_variable_it_lacks(
+    baked, cli, tmp_path: Path
+) -> None:
+    """A server whose environment is its own (TORCHINDUCTOR_CACHE_DIR set in an image, nothing
+    else of kiln.env) misses every bucket without the bake's env: check judged it with the
+    artifact's env on top and said "compatible". Sourced kiln.env, it is compatible."""
+    import kiln
+
+    _, result = baked
+    dest = tmp_path / "cache"
+    kiln.restore(result.artifact, dest)
+    assert result.manifest.env["TORCHINDUCTOR_CPP_CACHE_PRECOMPILE_HEADERS"] == "0"
+    partial = cli("check", dest, env={"TORCHINDUCTOR_CACHE_DIR": str(dest / "inductor")})
+    assert partial.returncode == 5, partial.stdout + partial.stderr
+    line = one_error_line(partial.stderr)
+    assert "env.TORCHINDUCTOR_CPP_CACHE_PRECOMPILE_HEADERS (baked '0', here None)" in line, line
+    assert "kiln.env exports TORCHINDUCTOR_CPP_CACHE_PRECOMPILE_HEADERS=0" in partial.stdout
+    dumped = subprocess.run(
+        ["sh", "-c", '. "$1" && env -0', "sh", dest / "kiln.env"],
+        capture_output=True,
+        check=True,
+    ).stdout.decode()
+    sourced = dict(item.split("=", 1) for item in dumped.split("\0") if "=" in item)
+    full = cli("check", dest, env=sourced)
+    assert full.returncode == 0, full.stdout + full.stderr
+    assert " ".join(full.stdout.split()).endswith(f"{result.manifest.name} will hit here")
+
+
 def test_restore_says_how_to_serve_a_folder_whose_path_has_a_space(cli, tmp_path: Path) -> None:
     """The line restore prints is pasted into a shell: a path with a space is quoted."""
     from tests.archives import good_archive
@@ -433,3 +471,31 @@ def test_check_names_a_serving_setting_the_server_overrides() -> None:
     assert (cuda.baked, cuda.here) == ("1", "8") and "benchmarks them again" in cuda.note
     (cpu,) = serving_env_factors({"TORCHINDUCTOR_COMPILE_THREADS": "8"}, "cpu")
     assert not cpu.matches and not cpu.causes_miss
+
+
+def test_a_server_environment_is_told_each_variable_kiln_env_exports() -> None:
+    """In a process whose environment is the server's own, every variable of the manifest's
+    env it lacks is named: a miss where the fingerprint keys by it, else a note."""
+    from kiln.compiler.check import exported_env_factors
+    from kiln.factors import compare
+
+    env = {"TORCHINDUCTOR_CPP_CACHE_PRECOMPILE_HEADERS": "0", "TORCH_LOGS": "recompiles"}
+    baked = {"env": {"TORCHINDUCTOR_CPP_CACHE_PRECOMPILE_HEADERS": "0"}}
+    factors = exported_env_factors(compare(baked, {"env": {}}), env, {})
+    keyed, logs = factors
+    assert (keyed.name, keyed.baked, keyed.here, keyed.causes_miss) == (
+        "env.TORCHINDUCTOR_CPP_CACHE_PRECOMPILE_HEADERS",
+        "0",
+        None,
+        True,
+    )
+    assert keyed.note.startswith("kiln.env exports TORCHINDUCTOR_CPP_CACHE_PRECOMPILE_HEADERS=0,")
+    assert (logs.name, logs.here, logs.matches, logs.causes_miss) == (
+        "env.TORCH_LOGS",
+        None,
+        False,
+        False,
+    )
+    same = {"TORCHINDUCTOR_CPP_CACHE_PRECOMPILE_HEADERS": "0", "TORCH_LOGS": "recompiles"}
+    matching = compare(baked, {"env": dict(baked["env"])})
+    assert exported_env_factors(matching, env, same) == matching

@@ -61,6 +61,9 @@ AOTI_INFO_FACTORS = (
 )
 
 
+BAKED_HERE = ("baked", "here")
+
+
 @dataclass(frozen=True)
 class Factor:
     name: str
@@ -69,9 +72,18 @@ class Factor:
     matches: bool
     causes_miss: bool
     note: str = ""
+    # What ``baked`` and ``here`` are, as a message names them: the artifact's value and this
+    # process's, unless the factor compares other things (where DIR's caches are, against where
+    # this process looks: kiln.compiler.location).
+    sides: tuple[str, str] = BAKED_HERE
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
+
+    def described(self) -> str:
+        """The factor and both its values, as one part of a message: ``name (baked 'x', here
+        'y')``."""
+        return f"{self.name} ({self.sides[0]} {self.baked!r}, {self.sides[1]} {self.here!r})"
 
 
 _NOTES = {

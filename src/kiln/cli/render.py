@@ -19,6 +19,7 @@ from rich.text import Text
 
 from kiln.artifact.manifest import WORK_KINDS, BucketStats, GraphBreak, Manifest
 from kiln.cli.output import esc, plain, visible
+from kiln.factors import BAKED_HERE
 
 if TYPE_CHECKING:
     from kiln.artifact.bundle import BundleIndex
@@ -210,7 +211,11 @@ def factor_table(report: CheckReport, *, all_rows: bool) -> Table:
                 else plain(f"differs: {f.note}")
             )
         )
-        table.add_row(plain(f.name), plain(f.baked), plain(f.here), effect)
+        baked, here = f.baked, f.here
+        if f.sides != BAKED_HERE:  # values that are not the artifact's and this process's
+            baked = baked if baked is None else f"{f.sides[0]} {baked}"
+            here = here if here is None else f"{f.sides[1]} {here}"
+        table.add_row(plain(f.name), plain(baked), plain(here), effect)
     return table
 
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -56,7 +56,7 @@ class CheckReport:
         The one wording of an incompatibility: `kiln check` exits 5 with it and
         :func:`kiln.activate` raises or warns with it, so both point at the same fix.
         """
-        names = ", ".join(f"{f.name} (baked {f.baked!r}, here {f.here!r})" for f in self.misses)
+        names = ", ".join(f.described() for f in self.misses)
         what = "caches will miss"
         if self.route == "aoti":
             what = "AOTInductor packages will not serve as baked"
@@ -173,8 +173,13 @@ def check(
     ``device_index`` is the CUDA index this process will serve on (default: the baked one, 0;
     for a K-rank artifact the rank's baked one). ``rank``/``world_size``: what this process
     serves as (default: ``RANK``/``LOCAL_RANK`` and ``WORLD_SIZE`` from the environment).
+
+    A restored folder is judged with the artifact's variables on top of this environment (as
+    kiln.env or activate() give the server them) while ``TORCHINDUCTOR_CACHE_DIR`` is unset
+    here; set, this environment is taken as the server's own, and each variable of kiln.env
+    it lacks or sets otherwise is a factor.
     """
-    from kiln.compiler.fingerprint import fingerprint
+    from kiln.compiler.fingerprint import fingerprint, relevant_env
 
     manifest = read_manifest(target)
     rank = rank if rank is not None else _env_int("RANK", "LOCAL_RANK")
@@ -188,42 +193,81 @@ def check(
     # Judged as a served process has it: kiln.env exports the manifest's env and activate()
     # sets it, so a shell that has not sourced kiln.env is judged as the server that will.
     # (Torch reads Inductor's config at import: in a process that imported it before, the
-    # config factors still say what this process would do.)
+    # config factors still say what this process would do.) A process whose environment
+    # already says where DIR's caches are (TORCHINDUCTOR_CACHE_DIR: kiln.env sourced, or
+    # variables copied into an image) is the server's own: each variable it lacks or has at
+    # another value is named, once, as itself (its Inductor config is still judged with the
+    # artifact's variables on top, or each would be named twice).
+    own_env = manifest.aoti is None and where is not None and where.here is not None
     with environ_with(manifest.env):
         if manifest.aoti is not None:  # what a served process of that route can know (no probes)
             here = fingerprint(device, device_index=index, lean=True)
         else:
             with probe_inductor_dir():  # the ISA probes compile there, not into DIR or $TMPDIR
                 here = fingerprint(device, device_index=index, keys=keys and "torch.key" in baked)
+    if own_env:
+        here["env"] = relevant_env()
     report = compare_manifest(
         manifest, here, rank=rank, world_size=world_size, workdir=workdir or logical_cwd()
     )
+    if own_env:
+        report.factors = exported_env_factors(report.factors, manifest.env, os.environ)
     # The aoti route reads no Inductor cache (so TORCHINDUCTOR_CACHE_DIR elsewhere is no miss)
     # and starts no Inductor, so has no pool to race.
     if manifest.aoti is None:
         if where is not None:
             report.factors.append(where)
         layout = served_layout(target, manifest, rank)
-        report.factors.extend(serving_env_factors(os.environ, device))
+        report.factors.extend(serving_env_factors(os.environ, device, own_env=own_env))
         report.factors.extend(moved_cache_factors(os.environ, layout.inductor if layout else None))
         if (locks := locks_factor(layout)) is not None:
             report.factors.append(locks)
     return report
 
 
-def serving_env_factors(environ: Mapping[str, str], device: str) -> list[Factor]:
+def exported_env_factors(
+    factors: list[Factor], env: Mapping[str, str], environ: Mapping[str, str]
+) -> list[Factor]:
+    """``factors`` of a process whose environment is the server's own, with each variable of
+    the manifest's ``env`` (which kiln.env exports) that ``environ`` lacks or sets otherwise
+    said to be kiln.env's: the fingerprint's own factor where torch keys by it, else a note."""
+    named = {f.name for f in factors}
+    out = [_exported(f, env) for f in factors]
+    for key, value in sorted(env.items()):
+        if f"env.{key}" not in named and environ.get(key) != value:  # outside the fingerprint
+            out.append(_exported(Factor(f"env.{key}", value, environ.get(key), False, False), env))
+    return out
+
+
+def _exported(factor: Factor, env: Mapping[str, str]) -> Factor:
+    key = factor.name.removeprefix("env.")
+    if factor.matches or not factor.name.startswith("env.") or key not in env:
+        return factor
+    keyed = ", in torch's cache keys" if factor.causes_miss else ""
+    note = (
+        f"kiln.env exports {key}={env[key]}{keyed}: a server that sets its own environment "
+        "needs every variable of kiln.env, not only TORCHINDUCTOR_CACHE_DIR"
+    )
+    return replace(factor, note=note)
+
+
+def serving_env_factors(
+    environ: Mapping[str, str], device: str, *, own_env: bool = False
+) -> list[Factor]:
     """Each :data:`~kiln.serving.SERVING_ENV` setting this process has at another value.
 
     Outside every cache key, so the fingerprint cannot see them, yet a server that overrides
     one does compile work (``TORCHINDUCTOR_COMPILE_THREADS`` above 1: kernels load in the pool
-    and come back without their tuning state, benchmarked again). Unset is fine:
-    ``kiln.env`` exports them and ``kiln.activate()`` sets them. A miss on CUDA, where
-    Triton kernels carry tuning state; a note on the CPU, whose C++ kernels have none.
+    and come back without their tuning state, benchmarked again). Unset is fine where the
+    server will source ``kiln.env`` or call ``kiln.activate()``, which set them; not in a
+    process whose environment is the server's own (``own_env``, :func:`check` says when). A
+    miss on CUDA, where Triton kernels carry tuning state; a note on the CPU, whose C++
+    kernels have none.
     """
     out = []
     for key, value in SERVING_ENV.items():
         here = environ.get(key)
-        if here is not None and here != value:
+        if (here is not None or own_env) and here != value:
             note = f"kiln serves with {key}={value} (kiln.env sets it): {SERVING_NOTES[key]}"
             out.append(Factor(f"env.{key}", value, here, False, device == "cuda", note))
     return out

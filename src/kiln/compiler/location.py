@@ -35,6 +35,9 @@ from kiln.serving import UNSET_ENV
 
 CACHE_VAR = "TORCHINDUCTOR_CACHE_DIR"
 FACTOR = f"env.{CACHE_VAR}"
+# The location factor compares no baked value: DIR's own cache folder, against the one this
+# process's variable (from a kiln.env, perhaps another folder's) names.
+SIDES = ("DIR's caches are in", "this process uses")
 
 
 def served_layout(target: str | Path, manifest: Manifest, rank: int | None) -> CacheLayout | None:
@@ -69,15 +72,16 @@ def location_factor(
     here = environ.get(CACHE_VAR) or None
     if here is None:
         note = f"not set here: serve through kiln.activate(DIR), or source {target}/kiln.env"
-        return Factor(FACTOR, str(expected), None, False, False, note)
+        return Factor(FACTOR, str(expected), None, False, False, note, sides=SIDES)
     if os.path.realpath(here) == os.path.realpath(expected):
-        return Factor(FACTOR, str(expected), here, True, False, "where this process's caches are")
+        note = "where this process's caches are"
+        return Factor(FACTOR, str(expected), here, True, False, note, sides=SIDES)
     note = (
         "this process's caches are elsewhere, not in DIR: kiln.env records the path DIR was "
         "restored at (a moved or copied folder keeps the old one); restore at the path the "
         "server uses"
     )
-    return Factor(FACTOR, str(expected), here, False, True, note)
+    return Factor(FACTOR, str(expected), here, False, True, note, sides=SIDES)
 
 
 def moved_cache_factors(environ: Mapping[str, str], inductor: Path | None) -> list[Factor]:
