@@ -414,6 +414,43 @@ def test_disk_full_is_clear_and_leaves_nothing(tmp_path: Path, tiny_fs: Path) ->
     assert sorted(p.name for p in tiny_fs.iterdir()) == ["cache"]
 
 
+@pytest.mark.parametrize("mountinfo", ["read", "absent"])
+def test_a_bind_mount_of_the_same_filesystem_is_refused_as_a_mount_point(
+    tmp_path: Path, cli, monkeypatch: pytest.MonkeyPatch, mountinfo: str
+) -> None:
+    """os.path.ismount cannot see `mount --bind d d` (same device): restore staged the artifact,
+    then its rename failed with EBUSY, an internal error (exit 1). Now /proc/self/mountinfo
+    finds it; without one, the rename's EBUSY is the same refusal (exit 2), DEST as it was."""
+    from kiln.artifact import swap
+
+    dest = tmp_path / "my cache"
+    restore(good_archive(tmp_path / "old.kiln.tar.zst", {"inductor/old": b"old"}), dest)
+    before = tree(dest)
+    bind = subprocess.run(["mount", "--bind", str(dest), str(dest)], capture_output=True)
+    if bind.returncode:
+        pytest.skip(f"cannot bind-mount here: {bind.stderr.decode().strip()}")
+    try:
+        subprocess.run(["mount", "-o", "remount,ro,bind", str(dest)], check=True)
+        art = good_archive(tmp_path / "new.kiln.tar.zst", {"inductor/new": b"new"})
+        refusal = f"{dest}: is a mount point and cannot be swapped atomically"
+        if mountinfo == "read":
+            assert not os.path.ismount(dest) and swap.is_mount_point(dest)
+            proc = cli("restore", art, "--dest", dest, no_torch=True)
+            assert proc.returncode == 2, proc.stderr
+            assert proc.stderr.startswith(f"kiln: error: {refusal}"), proc.stderr
+        else:  # a system without /proc: the swap itself meets the mount
+            monkeypatch.setattr(swap, "MOUNTINFO", tmp_path / "no-proc" / "mountinfo")
+            assert not swap.is_mount_point(dest)
+            with pytest.raises(UsageError, match=refusal):
+                restore(art, dest)
+        assert tree(dest) == before
+        assert sorted(p.name for p in tmp_path.iterdir()) == sorted(
+            ["my cache", "old.kiln.tar.zst", "new.kiln.tar.zst"]
+        )
+    finally:
+        subprocess.run(["umount", str(dest)], check=False)
+
+
 # --- the library names parameters, the CLI names flags (issue 28 step 6) ----------------------
 
 

@@ -39,7 +39,17 @@ from kiln.artifact.manifest import FileEntry, Manifest
 from kiln.artifact.oci_layout import variant_select
 from kiln.artifact.relocate import relocate_groups
 from kiln.artifact.storage import DEFAULT_TIMEOUT, check_timeout, fetch, is_remote, parse_digest
-from kiln.artifact.swap import UNWRITABLE, Lock, clean_stale, dest_path, make_staging, recover, swap
+from kiln.artifact.swap import (
+    UNWRITABLE,
+    Lock,
+    clean_stale,
+    dest_path,
+    is_mount_point,
+    make_staging,
+    mount_point_error,
+    recover,
+    swap,
+)
 from kiln.errors import IntegrityError, KilnError, Param, UsageError, Worded
 from kiln.events import DestChanged, EventSink, Fetched, Fetching, ignore
 from kiln.files import CHUNK, atomic_write
@@ -194,11 +204,8 @@ def _check_dest(dest: Path) -> None:
     if dest.is_symlink() or (dest.exists() and not dest.is_dir()):
         raise UsageError(f"{dest}: exists and is not a folder")
     if dest.is_dir():
-        if os.path.ismount(dest):
-            raise UsageError(
-                f"{dest}: is a mount point and cannot be swapped atomically; "
-                f"restore into a subfolder (e.g. {dest / 'kiln'})"
-            )
+        if is_mount_point(dest):
+            raise mount_point_error(dest)
         if any(dest.iterdir()) and not CacheLayout(dest).state_file.exists():
             raise UsageError(f"{dest}: not empty and not a kiln folder; refusing to replace it")
 
@@ -356,6 +363,8 @@ def _restore_locked(
             raise KilnError(
                 f"{dest.parent}: disk full while restoring; nothing was changed"
             ) from None
+        if exc.errno == errno.EBUSY and str(dest) in (exc.filename, exc.filename2):
+            raise mount_point_error(dest) from None  # one is_mount_point cannot see
         raise
     finally:
         shutil.rmtree(staging, ignore_errors=True)

@@ -159,6 +159,46 @@ def make_staging(dest: Path) -> Path:
             continue
 
 
+# --- mount points -------------------------------------------------------------------------
+# Linux's list of this process's mounts: a mount point is field 5, with a space, tab, newline
+# and backslash written as octal escapes (proc(5)).
+MOUNTINFO = Path("/proc/self/mountinfo")
+_MOUNT_ESCAPE = re.compile(rb"\\([0-7]{3})")
+
+
+def is_mount_point(path: Path) -> bool:
+    """Whether a filesystem is mounted at ``path``: no rename can move it (EBUSY).
+
+    ``os.path.ismount`` compares ``path``'s device with its parent's, so it cannot see a bind
+    mount of a folder of the same filesystem (``mount --bind d d``, a container's volume from
+    the host's disk); ``/proc/self/mountinfo``, where there is one, lists every mount point.
+    """
+    if os.path.ismount(path):
+        return True
+    try:
+        table = MOUNTINFO.read_bytes()
+    except OSError:
+        return False
+    real = os.fsencode(os.path.realpath(path))
+    for line in table.splitlines():
+        fields = line.split(b" ")
+        if len(fields) > 4 and _unescape(fields[4]) == real:
+            return True
+    return False
+
+
+def _unescape(field: bytes) -> bytes:
+    return _MOUNT_ESCAPE.sub(lambda m: bytes([int(m.group(1), 8)]), field)
+
+
+def mount_point_error(dest: Path) -> UsageError:
+    """Restore's refusal of a DEST that is a mount point (exit 2), the one wording of it."""
+    return UsageError(
+        f"{dest}: is a mount point and cannot be swapped atomically; "
+        f"restore into a subfolder (e.g. {dest / 'kiln'})"
+    )
+
+
 # --- atomic swap ----------------------------------------------------------------------------
 
 _RENAME_EXCHANGE = 2
