@@ -15,7 +15,9 @@ from pathlib import Path
 import pytest
 import typer
 
+import kiln
 from kiln.cli import app
+from kiln.errors import NotFoundError
 from tests.conftest import mlp_spec
 
 
@@ -260,7 +262,20 @@ def test_a_path_that_does_not_exist_is_named_as_what_was_expected(cli, tmp_path:
     artifact.write_bytes(b"")
     verify = cli("verify", spec, "--cache", artifact)
     assert verify.returncode == 4, verify.stderr
-    assert f"{artifact}: not a folder (restore an artifact" in one_error_line(verify.stderr)
+    said = one_error_line(verify.stderr)
+    assert f"{artifact}: a file, not a restored folder (an artifact is served once" in said
+    assert f"kiln restore {artifact} --dest DIR, then serve DIR)" in said
+    # kiln.activate() takes a restored folder only: an artifact file is said to be one, before
+    # anything is read or set (it raised NotADirectoryError on FILE/inductor).
+    with pytest.raises(NotFoundError, match="a file, not a restored folder") as raised:
+        kiln.activate(artifact)
+    assert f"kiln restore {artifact} --dest DIR" in str(raised.value)
+    with pytest.raises(NotFoundError) as raised:
+        kiln.activate(missing)
+    assert str(raised.value) == (
+        f"{missing}: no such folder (restore an artifact there first: kiln restore ARTIFACT "
+        f"--dest {missing})"
+    )
 
 
 def test_sign_of_a_bundle_says_bundles_are_signed_per_variant(cli, tmp_path: Path) -> None:

@@ -7,6 +7,7 @@ installs it, and verify, bench and ``kiln.activate()`` serve from it.
 
 from __future__ import annotations
 
+import shlex
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -55,6 +56,23 @@ def rank_of(path: str) -> int | None:
     if len(parts) >= 3 and parts[0] == RANKS_DIR and parts[1].isdecimal():
         return int(parts[1]) if str(int(parts[1])) == parts[1] else None
     return None
+
+
+def unserved_path(path: Path) -> str | None:
+    """Why ``path`` is no folder to serve from (None when it is a folder): a missing path, or a
+    file, which is most often the artifact itself. A server (``kiln.activate()``, ``kiln verify
+    --cache``) serves a restored folder only: the message says how to make one."""
+    if path.is_dir():
+        return None
+    if path.exists():
+        return (
+            f"{path}: a file, not a restored folder (an artifact is served once restored: "
+            f"kiln restore {shlex.quote(str(path))} --dest DIR, then serve DIR)"
+        )
+    return (
+        f"{path}: no such folder (restore an artifact there first: kiln restore ARTIFACT "
+        f"--dest {shlex.quote(str(path))})"
+    )
 
 
 @dataclass(frozen=True)

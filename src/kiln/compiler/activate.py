@@ -27,11 +27,11 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
 
 from kiln import bytecode
-from kiln.errors import IncompatibleError, UsageError
+from kiln.errors import IncompatibleError, NotFoundError, UsageError
 from kiln.factors import BUILD_FACTORS
 from kiln.installs import torch_build
 from kiln.kernel_locks import describe, foreign_locks
-from kiln.layout import MAX_MANIFEST_BYTES, CacheLayout
+from kiln.layout import MAX_MANIFEST_BYTES, CacheLayout, unserved_path
 from kiln.serving import (
     UNSET_ENV,
     OnMiss,
@@ -202,6 +202,8 @@ def activate(
     (:mod:`kiln.kernel_locks`) raise :class:`~kiln.errors.IncompatibleError`.
     """
     cache = Path(cache).absolute()
+    if (problem := unserved_path(cache)) is not None:  # an artifact file: restore it first
+        raise NotFoundError(problem)
     notes: list[str] = []
     torch_loaded = "torch" in sys.modules
     # The artifact's bytecode serves `import torch` itself (seconds on an image without its

@@ -39,7 +39,14 @@ from kiln.files import atomic_write
 from kiln.grid import expand, off_grid, ordered
 from kiln.kernel_locks import describe as describe_locks
 from kiln.kernel_locks import foreign_locks
-from kiln.layout import CUDA_CACHE_DIR, ENV_NAME, INDUCTOR_DIR, CacheLayout, lock_links
+from kiln.layout import (
+    CUDA_CACHE_DIR,
+    ENV_NAME,
+    INDUCTOR_DIR,
+    CacheLayout,
+    lock_links,
+    unserved_path,
+)
 from kiln.serving import cache_env, served_torch_kwargs
 from kiln.spec import Spec, differing_keys, load_spec
 from kiln.workdir import FACTOR as WORKDIR_FACTOR
@@ -416,9 +423,8 @@ def _unserved_workdir(spec: Spec) -> str | None:
 def _restored(cache: Path) -> Path:
     """``cache``, when it holds a restored artifact's caches (rank 0's of a K-rank artifact, or
     AOTInductor packages); else NotFoundError."""
-    if not cache.is_dir():
-        what = "not a folder" if cache.exists() else "no such folder"
-        raise NotFoundError(f"{cache}: {what} (restore an artifact there first)")
+    if (problem := unserved_path(cache)) is not None:
+        raise NotFoundError(problem)
     top = CacheLayout(cache)
     first = CacheLayout(cache, 0) if top.ranks_dir.is_dir() else top
     if not first.inductor.is_dir() and not top.aoti.is_dir():
