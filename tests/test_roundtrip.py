@@ -544,3 +544,63 @@ def test_kiln_processes_hide_torchs_numpy_warning(baked, cli) -> None:
     assert "NumPy" not in proc.stderr
     # The grid worker's log (shown with a failure) carries none either.
     assert result.runs and all("NumPy" not in run.log for run in result.runs)
+
+
+# Two models in one server, each from its own restored folder (a user's report: the second
+# activate() moved Inductor's cache folder, so the first model's buckets missed, compiled 15 s
+# each and wrote their kernels into the second folder).
+TWO_FOLDERS = """
+import json, os, sys, torch
+sys.path.insert(0, {models!r})
+import kiln
+from kiln.compiler.activate import ActiveFolderError
+from models import tiny_mlp
+first, second, packages = sys.argv[1:4]
+model = tiny_mlp(16, 32).eval()
+served = kiln.activate(first, compat="fail").compile(model)
+out = {{}}
+try:
+    kiln.activate(second)
+except ActiveFolderError as exc:
+    out["refused"] = str(exc)
+kiln.activate(first + "/", compat="fail")  # the same folder again: fine
+aot = kiln.activate(packages, compat="fail")  # AOT packages: beside it, no environment of theirs
+out["aot_env"] = aot.env
+out["inductor_dir"] = os.environ["TORCHINDUCTOR_CACHE_DIR"]
+beside = aot.compile(model)
+from torch._dynamo.utils import counters
+with torch.inference_mode():
+    x = torch.randn(2, 16)
+    out["aot_same"] = torch.allclose(beside(x=x, scale=2.0), model(x, scale=2.0), atol=1e-5)
+    for b in (5, 2, 3):
+        served(torch.randn(b, 16), scale=2.0)
+out["inductor"] = dict(counters["inductor"])
+print(json.dumps(out))
+"""
+
+
+def test_a_second_compile_route_folder_in_one_process_is_refused(
+    baked, aoti_baked, tmp_path: Path
+) -> None:
+    _, result = baked
+    first, second = tmp_path / "first", tmp_path / "second"
+    kiln.restore(result.artifact, first)
+    kiln.restore(result.artifact, second)
+    before = sorted(p.relative_to(second) for p in second.rglob("*"))
+    script = TWO_FOLDERS.format(models=str(MODELS.parent))
+    argv = [sys.executable, "-c", script, str(first), str(second), str(aoti_baked[1])]
+    proc = subprocess.run(argv, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    out = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert out["refused"] == (
+        f"{second}: this process serves {first} already: one compile-route folder serves a "
+        "process, as Inductor's cache folder and settings are process-global (the first "
+        "model's shapes would miss and compile into this folder); serve each model from its "
+        "own process, or bake the others with compile.route: aoti, whose packages serve "
+        "beside it (docs/serving.md)"
+    )
+    assert out["aot_env"] == {} and out["inductor_dir"] == str(first / "inductor")
+    assert out["aot_same"] is True
+    assert out["inductor"].get("fxgraph_cache_miss", 0) == 0
+    assert out["inductor"]["fxgraph_cache_hit"] == 3
+    assert sorted(p.relative_to(second) for p in second.rglob("*")) == before

@@ -75,6 +75,18 @@ class CompatWarning(UserWarning):
     pass
 
 
+class ActiveFolderError(UsageError):
+    """activate() of a second compile-route folder in a process that serves one (exit 2).
+    Inductor reads its cache folder (``TORCHINDUCTOR_CACHE_DIR``) and settings from the
+    process, so the second activation would move the first model's caches: its buckets would
+    miss, compile, and write their kernels into the second folder."""
+
+
+# The folder (a rank's caches folder, resolved) whose compile-route activation set this
+# process's environment: the only one it serves (ActiveFolderError); AOT packages load beside.
+_SERVING: list[Path] = []
+
+
 @dataclass
 class Activation:
     cache_dir: Path
@@ -199,7 +211,8 @@ def activate(
     ``RANK``, else ``LOCAL_RANK``, as torchrun sets them) picks the rank's caches; none set, or
     one outside the artifact's ranks, is a :class:`~kiln.errors.UsageError`. ``device_index``
     defaults to the baked one. Whatever ``compat``, kernel lock files this process cannot open
-    (:mod:`kiln.kernel_locks`) raise :class:`~kiln.errors.IncompatibleError`.
+    (:mod:`kiln.kernel_locks`) raise :class:`~kiln.errors.IncompatibleError`. One compile-route
+    folder serves a process (another: :class:`ActiveFolderError`; AOT packages load beside it).
     """
     cache = Path(cache).absolute()
     if (problem := unserved_path(cache)) is not None:  # an artifact file: restore it first
@@ -209,8 +222,7 @@ def activate(
     # The artifact's bytecode serves `import torch` itself (seconds on an image without its
     # own) once torch/version.py names the baked build, and kiln's own imports below (pydantic
     # and the manifest's models: 0.4 s from source on the 2-core CPU); the full check below,
-    # which needs torch, then keeps it or takes it back. An artifact of another build serves
-    # nothing before its check.
+    # which needs torch, then keeps it or takes it back (another build's: none before it).
     early = None if torch_loaded else _bytecode_before_imports(cache, notes)
     try:
         from kiln.artifact.archive import read_manifest
@@ -222,18 +234,15 @@ def activate(
         layout = CacheLayout(cache, rank)
         if manifest.aoti is None and (locked := foreign_locks(layout)):  # loads would fail
             raise IncompatibleError(f"{cache}: {describe(locked)}")
-        env = _serving_env(cache, manifest, rank, notes)
-        os.environ.update(env)
-        for var in UNSET_ENV:  # each would move a shipped cache out of DIR (kiln.serving)
-            if (moved := os.environ.pop(var, None)) is not None:
-                log.info("kiln: %s=%s unset: the artifact's caches are under %s", var, moved, cache)
+        owns = _owns_process(cache, layout, manifest)  # False: AOT packages beside a folder
+        env = _set_env(cache, manifest, rank, notes) if owns else {}
         import torch
 
         activation = Activation(
             cache, env, None, None, None, manifest, notes, layout.dir, device_index, rank
         )
         if manifest.aoti is not None:
-            return _activate_aoti(activation, compat, early, layout.bytecode)
+            return _activate_aoti(activation, compat, early, layout.bytecode if owns else None)
         if torch_loaded:
             _follow_env(env, notes)
         if compat != "ignore":
@@ -263,7 +272,38 @@ def activate(
         notes.append(slow_start)
     for note in notes:
         log.warning("kiln: %s", note)
+    _SERVING[:] = [layout.dir.resolve()]
     return activation
+
+
+def _owns_process(cache: Path, layout: CacheLayout, manifest: Manifest) -> bool:
+    """Whether this activation sets the process's environment (and imports): yes unless a
+    compile-route activation of another folder did (:data:`_SERVING`), beside which only an
+    AOTInductor artifact serves, from its packages by path; a compile-route one is refused."""
+    if not _SERVING or _SERVING[0] == layout.dir.resolve():
+        return True
+    held = _SERVING[0]
+    if manifest.aoti is not None:
+        log.info("kiln: %s: packages served beside %s, whose environment stays", cache, held)
+        return False
+    raise ActiveFolderError(
+        f"{cache}: this process serves {held} already: one compile-route folder serves a "
+        "process, as Inductor's cache folder and settings are process-global (the first "
+        "model's shapes would miss and compile into this folder); serve each model from its "
+        "own process, or bake the others with compile.route: aoti, whose packages serve "
+        "beside it (docs/serving.md)"
+    )
+
+
+def _set_env(cache: Path, manifest: Manifest, rank: int | None, notes: list[str]) -> dict[str, str]:
+    """Set :func:`_serving_env` in this process's environment, and drop what would move a
+    shipped cache out of ``cache`` (:data:`kiln.serving.UNSET_ENV`); returns what was set."""
+    env = _serving_env(cache, manifest, rank, notes)
+    os.environ.update(env)
+    for var in UNSET_ENV:
+        if (moved := os.environ.pop(var, None)) is not None:
+            log.info("kiln: %s=%s unset: the artifact's caches are under %s", var, moved, cache)
+    return env
 
 
 def _serving_env(
@@ -352,13 +392,13 @@ def _load_megacache(
 
 
 def _activate_aoti(
-    activation: Activation, compat: Compat, early: bool | None, shipped: Path
+    activation: Activation, compat: Compat, early: bool | None, shipped: Path | None
 ) -> Activation:
     """activate() for a ``compile.route: aoti`` artifact: the compatibility check on what a
     process without Inductor can know (kiln.factors.AOTI_KEY_FACTORS) and nothing else; no
     Dynamo settings, no Mega-Cache, no Inductor import or worker pool (the packages need none).
     ``early``: what :func:`_bytecode_before_imports` did with ``shipped``, the artifact's
-    bytecode."""
+    bytecode (None: the process serves another folder's, :func:`_owns_process`)."""
     manifest, rank = activation.manifest, activation.rank
     report = None
     if compat != "ignore":
@@ -379,8 +419,8 @@ def _activate_aoti(
             stacklevel=4,
             stop_bytecode=shipped if early else None,
         )
-    if manifest.bytecode and early is None and (report is None or report.ok):  # as activate()
-        activation.warnings.extend(_use_bytecode(shipped))
+    if manifest.bytecode and shipped and early is None and (report is None or report.ok):
+        activation.warnings.extend(_use_bytecode(shipped))  # as activate()
     for note in activation.warnings:
         log.warning("kiln: %s", note)
     return activation
