@@ -500,3 +500,103 @@ def test_inconsistent_inputs_are_a_shape_error() -> None:
     _, fn = served()
     with pytest.raises(ShapeError, match="axis 'seq'"):
         fn(ids=torch.ones(2, 5, dtype=torch.int64), mask=torch.ones(2, 6, dtype=torch.int64))
+
+
+# --- a spec without pad values on the torch.compile route: the grid served exactly ---------
+def _unpadded(dynamic: str = "false", on_miss: str = ""):  # type: ignore[no-untyped-def]
+    """A compile-route manifest of a spec that pads nothing (batch [1, 4]), and its model."""
+    from kiln.artifact.manifest import BucketStats
+    from tests.archives import manifest_for
+
+    compile_lines = f"compile:\n  dynamic: {dynamic}\n" + (
+        f"  on_miss: {on_miss}\n" if on_miss else ""
+    )
+    spec = parse_spec(
+        spec_text(
+            "  - {name: x, shape: [batch, 16]}\n", buckets="batch: [1, 4]", extra=compile_lines
+        )
+    )
+    grid = [
+        BucketStats(key=f"batch={b}", sizes={"batch": b}, first_call_s=1, steady_s=0)
+        for b in (1, 4)
+    ]
+    return manifest_for({}, spec=spec.canonical(), grid=grid)
+
+
+class Linear16(torch.nn.Linear):
+    def __init__(self) -> None:
+        super().__init__(16, 4)
+
+    def forward(self, x):  # type: ignore[no-untyped-def, override]
+        return super().forward(x)
+
+
+@pytest.mark.parametrize("policy", ON_MISS)
+def test_a_spec_without_pad_serves_its_buckets_exactly_and_follows_on_miss(
+    policy: str, caplog
+) -> None:
+    """A user's report: without `pad`, on_miss was ignored (a bogus one accepted; batch=3 on a
+    grid of 1 and 4 compiled in the server under on_miss error)."""
+    from kiln.compiler.padded import PaddedModel, miss_policy, with_padding
+    from kiln.errors import ParameterError
+
+    manifest = _unpadded()
+    model = Linear16()
+    calls: list[tuple[int, ...]] = []
+
+    def compiled(x):  # type: ignore[no-untyped-def]
+        calls.append(tuple(x.shape))
+        return model(x)
+
+    with pytest.raises(ParameterError, match="on_miss='bogus': one of error, eager, compile"):
+        with_padding(compiled, model, manifest, on_miss="bogus")  # type: ignore[arg-type]
+    assert miss_policy(manifest) == "error"  # the documented default: None means error
+    fn = with_padding(compiled, model, manifest, on_miss=policy)  # type: ignore[arg-type]
+    assert isinstance(fn, PaddedModel)
+    with caplog.at_level(logging.WARNING, logger="kiln"):
+        assert fn(torch.ones(4, 16)).shape == (4, 4) and calls == [(4, 16)]  # a bucket: as is
+        off = torch.ones(3, 16)
+        if policy == "error":
+            with pytest.raises(OffGridError) as refused:
+                fn(x=off)
+            assert str(refused.value) == (
+                "batch=3 is off the grid: batch is not padded (no input declares `pad`) and 3 is "
+                "not a baked size (1, 4) (on_miss: error)"
+            )
+        else:
+            assert torch.equal(fn(x=off), model(off))
+    assert calls == [(4, 16)] + ([(3, 16)] if policy == "compile" else [])
+    assert fn.stats.to_dict()["off_grid_shapes"] == {"batch=3": 1} and fn.stats.exact == 1
+
+
+def test_dynamic_graphs_without_pad_are_served_as_compiled(caplog) -> None:
+    """dynamic: true (or None) graphs serve shapes between and beyond the buckets: nothing
+    holds the requests to the grid, so the policy that applies is torch's, compile, and an
+    on_miss asked for says it does not apply."""
+    from kiln.compiler.padded import miss_policy, with_padding
+
+    manifest = _unpadded(dynamic="true", on_miss="error")
+    assert miss_policy(manifest) == "compile"
+    with caplog.at_level(logging.WARNING, logger="kiln"):
+        assert with_padding(print, None, manifest) is print
+    assert "on_miss: error does not apply: dynamic graphs" in caplog.text
+
+
+def test_an_off_grid_request_that_compiled_under_on_miss_error_fails_the_replay() -> None:
+    """on_miss: error promises a server compiles nothing: an off-grid request that compiled
+    anyway (a served callable that did not hold it to the grid) fails verify --traffic, and
+    one refused or served under another policy does not."""
+    from kiln.compiler.replay import ReplayReport, ReplayResult, RequestRecord
+
+    def report(policy: str, compiles: int, latency: float | None) -> ReplayReport:
+        records = [
+            RequestRecord(key="batch=1", bucket="batch=1", compiles=0, latency_s=0.01),
+            RequestRecord(key="batch=3", bucket=None, compiles=compiles, latency_s=latency),
+        ]
+        result = ReplayResult(records=records, startup_s=1.0)
+        return ReplayReport("m", "t.jsonl", policy, result, 1.0)
+
+    compiled = report("error", 9, 10.4)
+    assert not compiled.ok
+    assert compiled.reasons() == ["batch=3 (off the grid, on_miss: error): 9 compile(s)"]
+    assert report("error", 0, None).ok and report("compile", 9, 10.4).ok

@@ -478,7 +478,7 @@ import kiln
 act = kiln.activate({str(dest)!r}, compat="fail")
 from models import tiny_mlp
 model = tiny_mlp(16, 32).eval()
-m = act.compile(model)
+m = act.compile(model, on_miss="compile")  # the shape off the grid goes to the forwards' fallback
 from torch._dynamo.utils import counters
 out = {{}}
 with torch.inference_mode():
@@ -604,3 +604,77 @@ def test_a_second_compile_route_folder_in_one_process_is_refused(
     assert out["inductor"].get("fxgraph_cache_miss", 0) == 0
     assert out["inductor"]["fxgraph_cache_hit"] == 3
     assert sorted(p.relative_to(second) for p in second.rglob("*")) == before
+
+
+ON_MISS_SERVER = """
+import json, sys, torch
+sys.path.insert(0, {models!r})
+import kiln
+from kiln.errors import ParameterError
+from kiln.padding import OffGridError
+from models import tiny_mlp
+act = kiln.activate(sys.argv[1], compat="fail")
+model = tiny_mlp(16, 32).eval()
+out = {{}}
+try:
+    act.compile(model, on_miss="bogus")
+except ParameterError as exc:
+    out["bogus"] = str(exc)
+served, eager = act.compile(model), act.compile(model, on_miss="eager")
+from torch._dynamo.utils import counters
+with torch.inference_mode():
+    for b in (5, 2, 3):
+        served(torch.randn(b, 16), scale=2.0)
+    x = torch.randn(4, 16)
+    try:
+        served(x, scale=2.0)
+    except OffGridError as exc:
+        out["refused"] = str(exc)
+    out["eager"] = torch.equal(eager(x, scale=2.0), model(x, scale=2.0))
+out["inductor"] = dict(counters["inductor"])
+print(json.dumps(out))
+"""
+
+
+def test_a_spec_without_pad_serves_its_grid_exactly_and_verify_says_what_off_grid_did(
+    baked, cli, tmp_path: Path
+) -> None:
+    """A user's report: without `pad`, on_miss was ignored (batch=3 compiled in the server,
+    8.8 s, under on_miss error), and verify --traffic printed only the in-grid verdict."""
+    spec, result = baked  # batch [2, 3, 5], no pad values: on_miss's default, error, applies
+    dest = tmp_path / "cache"
+    kiln.restore(result.artifact, dest)
+    before = sorted(p.relative_to(dest) for p in dest.rglob("*"))
+    script = ON_MISS_SERVER.format(models=str(MODELS.parent))
+    proc = subprocess.run(
+        [sys.executable, "-c", script, str(dest)], capture_output=True, text=True, timeout=300
+    )
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    out = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert out["bogus"] == "on_miss='bogus': one of error, eager, compile"
+    refused = (
+        "batch=4 is off the grid: batch is not padded (no input declares `pad`) and 4 is not a "
+        "baked size (2, 3, 5) (on_miss: error)"
+    )
+    assert out["refused"] == refused and out["eager"] is True
+    assert out["inductor"]["fxgraph_cache_hit"] == 3
+    assert out["inductor"].get("fxgraph_cache_miss", 0) == 0
+    assert sorted(p.relative_to(dest) for p in dest.rglob("*")) == before  # nothing compiled
+
+    log = tmp_path / "t.jsonl"
+    log.write_text('{"batch": 2}\n{"batch": 4}\n{"batch": 5}\n')
+    ok = cli("verify", spec, "--cache", dest, "--traffic", log)
+    assert ok.returncode == 0, ok.stderr[-2000:]
+    text = " ".join(ok.stdout.split())  # rich wraps long lines
+    assert "in grid 2, off grid 1 (on_miss: error); the spec pads no axis" in text
+    assert (
+        f"off the grid: 1 request(s) of 1 shape(s): 1 refused with OffGridError: {refused}" in text
+    )
+    assert "verified: zero compiles over 2 in-grid requests" in text
+    compiled = cli("verify", spec, "--cache", dest, "--traffic", log, "--on-miss", "compile")
+    assert compiled.returncode == 0, compiled.stderr[-2000:]
+    text = " ".join(compiled.stdout.split())
+    assert "off grid 1 (on_miss: compile)" in text
+    served = text.split("off the grid: 1 request(s) of 1 shape(s): 1 served by compiling in the ")
+    assert len(served) == 2 and served[1].startswith("server ("), text
+    assert not served[1].startswith("server (0 compile(s)"), text  # batch=4 compiled there

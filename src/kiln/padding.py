@@ -203,9 +203,10 @@ class PadGrid:
                     f"bucket ({baked[-1]})"
                 )
             if axis not in self.paddable and size not in baked:
+                why = "not every input carrying it" if self.pads else "no input"
                 return (
-                    f"{shown} is off the grid: {axis} is not padded (not every input carrying it "
-                    f"declares `pad`) and {size} is not a baked size ({_listed(baked)})"
+                    f"{shown} is off the grid: {axis} is not padded ({why} declares `pad`) "
+                    f"and {size} is not a baked size ({_listed(baked)})"
                 )
         return f"{shown} is off the grid: every bucket that holds it was excluded or not baked"
 

@@ -33,12 +33,13 @@ def replay_view(console: Console, report: ReplayReport) -> None:
     row("served / eager", s["latency_over_eager"], factor)
     print_table(console, table)
     waste = s["waste"]
+    padding = f"padding waste {waste:.1%}" if waste is not None else "the spec pads no axis"
     console.print(
         f"in grid {s['in_grid']}, off grid {s['off_grid']} (on_miss: {esc(report.on_miss)}); "
-        f"padding waste {waste:.1%}"
-        if waste is not None
-        else "no padding (the spec pads no axis)"
+        f"{padding}"
     )
+    if report.off_grid:
+        console.print(plain(off_grid_line(report)))
     if s["max_abs_diff"] is not None:
         console.print(f"served vs unpadded eager, real slice: max |diff| {s['max_abs_diff']:.3g}")
     if s["eager_new_files"]:  # not the served path's: a server makes no eager call
@@ -51,3 +52,23 @@ def replay_view(console: Console, report: ReplayReport) -> None:
     else:
         for reason in report.reasons():
             console.print(plain(reason))
+
+
+def off_grid_line(report: ReplayReport) -> str:
+    """What the off-grid requests did, in one line: refused (on_miss error, with the first
+    refusal's reason), or served, eager or by compiling in the serving process (with the
+    compiles and the seconds they took), so that a passing verdict never hides them."""
+    off = report.off_grid
+    shapes = len({r.key for r in off})
+    refused = [r for r in off if r.latency_s is None]
+    served = [r for r in off if r.latency_s is not None]
+    parts = []
+    if refused:
+        why = f": {refused[0].why}" if refused[0].why else ""
+        parts.append(f"{len(refused)} refused with OffGridError{why}")
+    if served:
+        how = "by the eager model" if report.on_miss == "eager" else "by compiling in the server"
+        seconds = sum(r.latency_s or 0.0 for r in served)
+        compiles = sum(r.compiles for r in served)
+        parts.append(f"{len(served)} served {how} ({compiles} compile(s), {seconds:.1f} s)")
+    return f"off the grid: {len(off)} request(s) of {shapes} shape(s): " + "; ".join(parts)

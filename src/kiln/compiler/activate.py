@@ -110,10 +110,12 @@ class Activation:
         ``torch.inference_mode()``, as kiln bakes: precompiled guards expect that grad mode.
 
         When the spec declares ``pad`` values, each request is padded up to its baked bucket
-        and the outputs sliced back (:mod:`kiln.compiler.padded`); ``on_miss`` (default: the
-        spec's ``compile.on_miss``, else ``error``) decides a request no bucket holds, and
-        ``keep`` names outputs to return unsliced (a path no output has is a
-        :class:`~kiln.errors.ParameterError` at the first call that returns outputs).
+        and the outputs sliced back (:mod:`kiln.compiler.padded`); without them (``dynamic:
+        false``), a request must be a baked bucket exactly. ``on_miss`` (default: the spec's
+        ``compile.on_miss``, else ``error``) decides a request no bucket holds
+        (:func:`~kiln.compiler.padded.miss_policy`), and ``keep`` names outputs to return
+        unsliced (a path no output has is a :class:`~kiln.errors.ParameterError` at the first
+        call that returns outputs).
 
         A ``compile.route: aoti`` artifact is served from its packages instead
         (:class:`~kiln.compiler.aoti_serve.AotiModel`): picked by input shapes, with the model's

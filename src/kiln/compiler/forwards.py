@@ -84,6 +84,7 @@ def _activated(
 ) -> Forward:
     """The activate route: what ``activation.compile(model)`` returns, timed and counted (a
     precompiled forward counts its misses; served frames count a traced frame as one)."""
+    from kiln.compiler.padded import PaddedModel
     from kiln.compiler.precompile import PrecompiledForward
 
     t0 = time.time()
@@ -97,7 +98,8 @@ def _activated(
         packages.on_miss = "eager"  # a miss is counted (verify fails on it), not raised mid-pass
         return Forward(fn, call_kwargs, sync, load_s=time.time() - t0, aoti=packages)
     fell_back = bool(activation.warnings)  # precompiled forwards or frames refused: traced
-    precompiled = fn if isinstance(fn, PrecompiledForward) else None
+    inner = fn.compiled if isinstance(fn, PaddedModel) else fn  # the grid's wrapper, if any
+    precompiled = inner if isinstance(inner, PrecompiledForward) else None
     frames_served = activation.manifest.precompiled_frames is not None and not fell_back
     load_s = time.time() - t0 if precompiled is not None else None
     return Forward(fn, call_kwargs, sync, precompiled, False, load_s, frames_served)

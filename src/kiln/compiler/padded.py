@@ -1,7 +1,9 @@
 """Serving a grid by padding: each request padded up to its bucket, the outputs sliced back.
 
 ``kiln.activate(DIR).compile(model)`` wraps the compiled model in :class:`PaddedModel` when the
-artifact's spec declares ``pad`` values. A call then:
+artifact's spec declares ``pad`` values, and on the torch.compile route with ``dynamic: false``
+when it declares none (:func:`exact_grid`): then no axis pads, every request must be a baked
+bucket exactly, and ``on_miss`` decides the rest as below. A call then:
 
 1. reads each axis's size from the inputs' shapes (:meth:`kiln.padding.PadGrid.axis_sizes`);
 2. picks the smallest baked bucket that holds them (:meth:`kiln.padding.PadGrid.fit`);
@@ -48,7 +50,7 @@ from kiln.artifact.manifest import Manifest, PadCarriers, PadOutput
 from kiln.errors import IntegrityError, ParameterError
 from kiln.grid import Bucket
 from kiln.padding import OffGridError, PadGrid, ShapeError, shape_key, work
-from kiln.serving import DEFAULT_ON_MISS, ON_MISS, OnMiss
+from kiln.serving import DEFAULT_ON_MISS, ON_MISS, OnMiss, served_torch_kwargs
 from kiln.spec_yaml import did_you_mean
 
 log = logging.getLogger("kiln")
@@ -555,20 +557,46 @@ def with_padding(
     keep: Collection[str] = (),
     carriers: Sequence[PadCarriers] = (),
 ) -> Callable[..., Any]:
-    """``compiled`` wrapped in :class:`PaddedModel` when ``manifest``'s spec pads an axis,
-    else as it is. ``on_miss`` defaults to the spec's ``compile.on_miss``, else ``error``;
-    ``carriers``: what the bake found of the outputs (the AOT route's packages)."""
-    inputs = manifest.spec.get("inputs")
-    if not isinstance(inputs, list) or not any(
-        isinstance(i, dict) and i.get("pad") is not None for i in inputs
-    ):
-        return compiled  # no pad declared: served exactly as before padding existed
+    """``compiled`` wrapped in :class:`PaddedModel` when ``manifest``'s spec pads an axis, or
+    when it pads none but serves its buckets only (:func:`exact_grid`): then a request must be
+    a baked bucket exactly, and :func:`miss_policy` decides the others. Else (the AOT route's
+    packages, which pick their own; dynamic graphs) as it is. ``carriers``: what the bake found
+    of the outputs (the AOT route's packages)."""
+    policy = miss_policy(manifest, on_miss)
     grid = PadGrid.from_manifest(manifest)
-    if not grid.pads:
-        return compiled
+    if grid.pads or exact_grid(manifest):
+        return PaddedModel(compiled, model, grid, on_miss=policy, keep=keep, carriers=carriers)
+    asked = on_miss or (manifest.spec.get("compile") or {}).get("on_miss")
+    if manifest.aoti is None and asked not in (None, "compile"):
+        log.warning(
+            "kiln: on_miss: %s does not apply: dynamic graphs (compile.dynamic: %s) serve every "
+            "shape they cover, and torch compiles the others",
+            asked,
+            served_torch_kwargs(manifest).get("dynamic"),
+        )
+    return compiled
+
+
+def exact_grid(manifest: Manifest) -> bool:
+    """Whether a compile-route artifact serves its baked buckets and nothing else, so that a
+    request of another shape (or input dtype) is off the grid, padded or not: ``dynamic:
+    false`` compiles one graph per bucket, and torch would compile any other shape in the
+    server. Dynamic graphs (``true``, or None's automatic dynamic) serve shapes between and
+    beyond the buckets; the AOT route's packages pick their own."""
+    return manifest.aoti is None and served_torch_kwargs(manifest).get("dynamic") is False
+
+
+def miss_policy(manifest: Manifest, on_miss: OnMiss | None = None) -> OnMiss:
+    """What a request off ``manifest``'s grid gets: ``on_miss`` (the caller's), else the spec's
+    ``compile.on_miss``, else :data:`~kiln.serving.DEFAULT_ON_MISS`; ``compile`` where nothing
+    holds requests to the grid (a spec that pads nothing, served by dynamic graphs). A caller's
+    value outside :data:`~kiln.serving.ON_MISS` is a ParameterError, the manifest's an
+    IntegrityError."""
     if on_miss is not None and on_miss not in ON_MISS:  # the caller's: not the artifact's fault
         raise ParameterError("on_miss", on_miss, f"one of {', '.join(ON_MISS)}")
     policy = on_miss or (manifest.spec.get("compile") or {}).get("on_miss") or DEFAULT_ON_MISS
     if policy not in ON_MISS:
         raise IntegrityError(f"{manifest.name}: on_miss {policy!r} is not one of {ON_MISS}")
-    return PaddedModel(compiled, model, grid, on_miss=policy, keep=keep, carriers=carriers)
+    if manifest.aoti is None and not exact_grid(manifest):
+        return policy if PadGrid.from_manifest(manifest).pads else "compile"
+    return policy

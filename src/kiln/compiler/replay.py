@@ -36,6 +36,7 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from kiln.artifact.archive import read_manifest
 from kiln.compiler.counters import CompileCounters
+from kiln.compiler.padded import miss_policy
 from kiln.compiler.process import WorkerError, failure_error, heartbeat_interval, log_tail, spawn
 from kiln.compiler.protocol import WorkerFailure
 from kiln.compiler.verify import (
@@ -164,7 +165,11 @@ class ReplayReport:
 
     @property
     def failing(self) -> list[RequestRecord]:
-        return [r for r in self.in_grid if r.compiles]
+        """In-grid requests that compiled, and off-grid ones that did under ``on_miss: error``,
+        which promises that a server compiles nothing (the served callable did not hold them
+        to the grid)."""
+        refused = self.on_miss == "error"
+        return [r for r in self.result.records if r.compiles and (r.bucket or refused)]
 
     @property
     def ok(self) -> bool:
@@ -200,8 +205,8 @@ class ReplayReport:
     def reasons(self) -> list[str]:
         out = [changed_line(self.folder_changes, self.env_names)] if self.folder_changes else []
         out += [
-            f"{r.key} (bucket {r.bucket}): {r.compiles} compile(s)"
-            + (f": {r.why}" if r.why else "")
+            f"{r.key} ({f'bucket {r.bucket}' if r.bucket else 'off the grid, on_miss: error'}): "
+            f"{r.compiles} compile(s)" + (f": {r.why}" if r.why else "")
             for r in self.failing[:10]
         ]
         if self.result.new_files:
@@ -272,7 +277,7 @@ def replay(
         seed=seed,
         device_index=device_index,
     )
-    policy = on_miss or manifest.spec.get("compile", {}).get("on_miss") or "error"
+    policy = miss_policy(manifest, on_miss)  # what the served callable does with them
     changes, elsewhere = folder_drift(cache, manifest)
     t0 = time.time()
     # As verify serves (kiln.compiler.verify.serve_copy): a private copy of the folder, an
@@ -397,7 +402,8 @@ def run(request: ReplayRequest) -> ReplayResult:
         ]
     served_last = replayer.settle()
     new = sorted({*at_start_written, *replayer.in_grid_written})
-    padding = served.stats.to_dict() if isinstance(served, PaddedModel) else {}
+    pads = isinstance(served, PaddedModel) and served.grid.pads  # not a grid served exactly
+    padding = served.stats.to_dict() if pads else {}
     eager_written: list[str] = []
     if request.eager:
         with torch.inference_mode():
