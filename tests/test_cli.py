@@ -264,12 +264,12 @@ def test_a_path_that_does_not_exist_is_named_as_what_was_expected(cli, tmp_path:
     assert verify.returncode == 4, verify.stderr
     said = one_error_line(verify.stderr)
     assert f"{artifact}: a file, not a restored folder (an artifact is served once" in said
-    assert f"kiln restore {artifact} --dest DIR, then serve DIR)" in said
+    assert "kiln restore FILE --dest DIR, then serve DIR)" in said
     # kiln.activate() takes a restored folder only: an artifact file is said to be one, before
     # anything is read or set (it raised NotADirectoryError on FILE/inductor).
     with pytest.raises(NotFoundError, match="a file, not a restored folder") as raised:
         kiln.activate(artifact)
-    assert f"kiln restore {artifact} --dest DIR" in str(raised.value)
+    assert str(raised.value) == said.split("kiln: error: ", 1)[-1]
     with pytest.raises(NotFoundError) as raised:
         kiln.activate(missing)
     assert str(raised.value) == (

@@ -67,7 +67,7 @@ def unserved_path(path: Path) -> str | None:
     if path.exists():
         return (
             f"{path}: a file, not a restored folder (an artifact is served once restored: "
-            f"kiln restore {shlex.quote(str(path))} --dest DIR, then serve DIR)"
+            "kiln restore FILE --dest DIR, then serve DIR)"
         )
     return (
         f"{path}: no such folder (restore an artifact there first: kiln restore ARTIFACT "
