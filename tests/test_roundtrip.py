@@ -488,6 +488,16 @@ with torch.inference_mode():
         out[f"misses after {{b}}"] = m.misses
 m(torch.randn(2, 16), scale=2.0)  # a grid shape outside inference mode: missed, and why
 out["why"] = m.miss_reason
+# The model's class from a second copy of its module (a server that loads the file itself):
+# another class object, which the graphs' guard on it refuses; the miss says why.
+import importlib.util
+loaded = importlib.util.spec_from_file_location("models", {str(MODELS)!r})
+copy = importlib.util.module_from_spec(loaded)
+loaded.loader.exec_module(copy)
+other = act.compile(copy.tiny_mlp(16, 32).eval())
+with torch.inference_mode():
+    other(torch.randn(2, 16), scale=2.0)
+out["class_why"] = other.miss_reason
 print(json.dumps({{"act": act.to_dict(), "out": out, "frames": dict(counters["frames"])}}))
 """
     proc = subprocess.run(
@@ -506,7 +516,14 @@ print(json.dumps({{"act": act.to_dict(), "out": out, "frames": dict(counters["fr
         "7": True,  # off the grid: compiled by the fallback, still correct
         "misses after 7": 1,
         "why": "GLOBAL_STATE changed: grad_mode",  # the factor, as torch's guard names it
+        "class_why": got["out"]["class_why"],
     }
+    assert "___check_type_id" in got["out"]["class_why"]
+    assert got["out"]["class_why"].endswith(
+        ": this model's class models.TinyMLP is not the object the bake traced (a second copy "
+        "of module 'models': loaded from its file, or imported twice): `import models` as the "
+        "bake did (docs/serving.md)"
+    )
     assert "match no precompiled bucket (no baked bucket has this shape" in proc.stderr
 
     # Forwards damaged after restore: the folder changed, verify fails (exit 6) and says to

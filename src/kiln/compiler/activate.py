@@ -154,6 +154,7 @@ class Activation:
 
         kwargs = served_torch_kwargs(self.manifest)
         if self.manifest.precompiled:
+            from kiln.compiler.model_import import factory_module
             from kiln.compiler.precompile import PrecompiledForward
 
             path = self.cache_dir / self.manifest.precompiled
@@ -161,7 +162,9 @@ class Activation:
                 path = CacheLayout(self.cache_dir, self.rank).precompiled
             blob = path.read_bytes()
             try:
-                return PrecompiledForward.load(model, kwargs, blob)
+                loaded = PrecompiledForward.load(model, kwargs, blob)
+                loaded.baked_module = factory_module(self.manifest.spec["model"]["factory"])
+                return loaded
             except Exception as exc:  # torch's checks raise assorted types; say which, go on
                 note = f"precompiled forwards not usable here ({type(exc).__name__}: {exc})"
                 log.warning("kiln: %s; compiling with torch.compile", note)

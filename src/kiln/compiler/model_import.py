@@ -11,7 +11,7 @@ import inspect
 import math
 import resource
 import sys
-from pathlib import Path
+from pathlib import Path, PurePosixPath
 from typing import Any
 
 from kiln.compiler import ranks
@@ -22,15 +22,24 @@ from kiln.spec import Spec
 from kiln.spec_yaml import did_you_mean
 
 
+def factory_module(factory: str) -> str:
+    """The module name a spec's ``model.factory`` is imported as: a file's stem
+    (``models/enc.py:make`` is ``enc``, its folder put on ``sys.path``), else the dotted name.
+    Classes the factory's module defines are that module's, which precompiled guards check."""
+    target = factory.partition(":")[0]
+    return PurePosixPath(target).stem if target.endswith(".py") else target
+
+
 def resolve_factory(spec: Spec) -> Any:
     """Import the spec's factory, looking next to the spec file first."""
     target, _, attr = spec.model.factory.partition(":")
+    module_name = factory_module(spec.model.factory)
     if target.endswith(".py"):
         origin = spec.factory_origin()
         assert origin is not None
-        base, module_name = str(origin.parent), origin.stem
+        base = str(origin.parent)
     else:
-        base, module_name = str(spec.base_dir), target
+        base = str(spec.base_dir)
     sys.path.insert(0, base)
     try:
         module = importlib.import_module(module_name)

@@ -68,6 +68,9 @@ class PrecompiledForward:
         self._fallback: Callable[..., Any] | None = None
         self.misses = 0
         self.miss_reason: str | None = None  # the last miss's failing guard, as torch words it
+        # The module the bake imported the model's factory as (activate() sets it from the
+        # spec): a guard on the class's identity that fails names it (:meth:`why_not`).
+        self.baked_module: str | None = None
 
     @classmethod
     def empty(cls, module: Any, torch_kwargs: dict[str, Any]) -> PrecompiledForward:
@@ -144,7 +147,32 @@ class PrecompiledForward:
         if not failing:
             return "every guard passes (another cause: see torch's recompile log)"
         named = [f for f in failing if "size mismatch" not in f]
-        return named[0][:300] if named else f"no baked bucket has this shape ({failing[0][:240]})"
+        if not named:
+            return f"no baked bucket has this shape ({failing[0][:240]})"
+        return named[0][:300] + (self._class_hint() if "___check_type_id" in named[0] else "")
+
+    def _class_hint(self) -> str:
+        """Why a guard on the model's class fails, as far as cheaply known: the graphs hold the
+        class object the bake imported (from its factory's module), and a class imported under
+        another module name (``myapp.models`` for ``mymodels``, or loaded from its file with
+        ``spec_from_file_location``) is another object, which no graph accepts."""
+        cls = type(self.module)
+        here, baked = cls.__module__, self.baked_module
+        if baked is None:
+            return (
+                f": this model's class {here}.{cls.__qualname__} is not the object the bake "
+                "traced: import it under the module name the bake used (docs/serving.md)"
+            )
+        if here == baked:
+            return (
+                f": this model's class {here}.{cls.__qualname__} is not the object the bake "
+                f"traced (a second copy of module {here!r}: loaded from its file, or imported "
+                f"twice): `import {baked}` as the bake did (docs/serving.md)"
+            )
+        return (
+            f": this model's class is {here}.{cls.__qualname__}, the bake's came from module "
+            f"{baked!r} (its factory's): `import {baked}` as the bake did (docs/serving.md)"
+        )
 
     def to_bytes(self) -> bytes:
         from torch._dynamo.aot_compile import AOTCompiledModel
