@@ -14,7 +14,7 @@ import pytest
 from kiln.errors import SpecError
 from kiln.serving import MODE_OPTIONS, cold_torch_kwargs, torch_kwargs
 from kiln.spec import RANDINT_RANGE, load_spec
-from tests.conftest import mlp_spec
+from tests.conftest import MODELS, mlp_spec
 
 
 def error_of(write_spec, text: str) -> str:
@@ -672,6 +672,71 @@ def test_worker_spec_problems_are_one_located_line(
     assert len(lines) == 1, proc.stderr
     assert lines[0].startswith(f"kiln: error: {path}{expected}"), proc.stderr
     assert not (tmp_path / "o.kiln.tar.zst").exists()
+
+
+_ENCODER = "\n".join(
+    [
+        "name: enc",
+        "model:",
+        f"  factory: {MODELS}:masked_encoder",
+        "inputs:",
+        "  - {name: input_ids, shape: [batch, seq], dtype: int64, fill: randint, high: 1000}",
+        "  - {name: attention_mask, shape: [batch, seq], dtype: int64, fill: ones}",
+        "buckets:",
+        "  batch: [1, 2]",
+        "  seq: [8, 16]",
+        "",
+    ]
+)
+
+
+@pytest.mark.slow  # a fresh worker process each (torch imported: ~4 s), nothing compiled
+@pytest.mark.parametrize(
+    ("text", "expected"),
+    [
+        (
+            mlp_spec().replace("[batch, 16]", "[batch, 15]"),
+            ":8:1: inputs: the model refused bucket batch=2's inputs: RuntimeError: mat1 and "
+            "mat2 shapes cannot be multiplied (2x15 and 16x32)",
+        ),
+        (
+            mlp_spec().replace("  call_kwargs:", "  dtype: bfloat16\n  call_kwargs:"),
+            ":5:3: model.dtype: the model refused bucket batch=2's inputs: RuntimeError: mat1 "
+            "and mat2 must have the same dtype, but got Float and BFloat16 (model.dtype is "
+            "bfloat16, input 'x' is float32)",
+        ),
+        (  # the vocabulary is 1000
+            _ENCODER.replace("high: 1000", "high: 5000"),
+            ":5:73: inputs.0.high: the model refused bucket batch=1,seq=8's inputs: IndexError: "
+            "index out of range in self (input 'input_ids' draws from [0, 5000))",
+        ),
+        (  # the position table has 512 rows: only the longer bucket breaks it
+            _ENCODER.replace("seq: [8, 16]", "seq: [8, 600]"),
+            ":9:12: buckets.seq.1: the model refused bucket batch=1,seq=600's inputs: "
+            "IndexError: index out of range in self (smaller buckets passed: seq=600 is past "
+            "what the model takes)",
+        ),
+    ],
+    ids=["shape", "dtype", "index-range", "one-bucket"],
+)
+def test_inputs_the_model_refuses_are_found_before_compiling(
+    tmp_path, text: str, expected: str
+) -> None:
+    """An eager call of each bucket before the first compile: one located line, exit 2, where
+    torch.compile failed after 15 to 60 s with Dynamo's or a generated file's traceback."""
+    path = tmp_path / "spec.yaml"
+    path.write_text(text)
+    proc = subprocess.run(
+        [sys.executable, "-m", "kiln", "bake", str(path), "-o", str(tmp_path / "o.kiln.tar.zst")],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert proc.returncode == 2, proc.stderr
+    # (a loaded machine may print a heartbeat while torch imports)
+    assert proc.stderr.splitlines()[-1] == f"kiln: error: {path}{expected}", proc.stderr
+    assert "Traceback" not in proc.stderr and "torch._dynamo" not in proc.stderr
 
 
 def test_bake_passes_are_bounded_before_anything_runs(write_spec, tmp_path: Path, cli) -> None:

@@ -413,6 +413,7 @@ class _Baker:
             frames="record" if route == "frames" else None,
             fingerprint=True,
             report_imports=ships_bytecode(self.spec),
+            check_eager=True,  # the bake's first process (the tuning pre-pass, if any)
         )
         if self.spec.compile.route == "aoti":
             self.first = self.first.replace(megacache_save=None, aoti_build=self._aoti_build())
@@ -425,6 +426,7 @@ class _Baker:
             precompile_save=None,
             frames=None,
             fingerprint=False,
+            check_eager=False,
         )
 
     def _aoti_build(self) -> AotiBuild:
@@ -468,6 +470,7 @@ class _Baker:
             report_imports=False,
         )
         run_worker(self.spec, request, self.env, on_event=self.emit, cwd=self.workdir)
+        self.first = self.first.replace(check_eager=False)  # the pre-pass checked the spec
         world = self.spec.world_size if self.spec.distributed else None
         for layout in CacheLayout.ranks(self.work, world):
             for graphs in (*(layout.inductor / name for name in _GRAPH_DIRS), layout.frames):

@@ -11,13 +11,14 @@ import inspect
 import math
 import resource
 import sys
+from collections.abc import Callable
 from pathlib import Path, PurePosixPath
 from typing import Any
 
 from kiln.compiler import ranks
 from kiln.compiler.failures import SpecProblem, one_line
 from kiln.compiler.ranks import Rank
-from kiln.grid import Bucket, expand
+from kiln.grid import Bucket, bucket_cost, expand
 from kiln.spec import Spec
 from kiln.spec_yaml import did_you_mean
 
@@ -234,3 +235,79 @@ def build_model(spec: Spec, device: Any, launched: Rank | None) -> Any:
             ) from exc
     check_call(model, spec)
     return model
+
+
+def check_eager(
+    model: Any,
+    spec: Spec,
+    seeds: dict[Bucket, int],
+    device: Any,
+    sync: Callable[[], None] | None = None,
+) -> None:
+    """Call the model eagerly on each bucket's first inputs, smallest bucket first, before
+    anything compiles: a spec the model refuses (a shape, a dtype, an index range) is then the
+    spec's one-line problem in the time of a call, where a compile failed after seconds to a
+    minute with Dynamo's or a generated file's traceback (exit 1). Every bucket, not only the
+    smallest: a size only some buckets break (a sequence longer than a position table) would
+    pass the smallest. Measured on the CPU, the calls cost what one of the pass's own calls per
+    bucket does (the pass makes at least seven). An allocation failure stops the check without
+    a word: what fits compiled is the compile's concern, not the spec's. Run by the bake's first
+    process only (``WorkerRequest.check_eager``), under ``inference_mode`` as the pass's calls."""
+    import torch
+
+    call_kwargs = dict(spec.model.call_kwargs)
+    passed: list[Bucket] = []
+    for bucket in sorted(seeds, key=bucket_cost):
+        inputs = make_inputs(spec, bucket, device, seeds[bucket])
+        try:
+            with torch.inference_mode():
+                model(**inputs, **call_kwargs)
+                if sync is not None:
+                    sync()  # a device-side assert (an index out of range) surfaces here
+        except Exception as exc:  # the model's own code: any type
+            if _is_allocation_error(exc):
+                break
+            key, hint = _refused_at(spec, exc, bucket, passed)
+            raise SpecProblem(
+                key,
+                f"the model refused bucket {bucket.key}'s inputs: "
+                f"{type(exc).__name__}: {one_line(exc)}{hint}",
+            ) from exc
+        finally:
+            del inputs
+        passed.append(bucket)
+    if device.type == "cuda":  # the compile starts from the allocator it would have had
+        torch.cuda.empty_cache()
+
+
+def _refused_at(
+    spec: Spec, exc: Exception, bucket: Bucket, passed: list[Bucket]
+) -> tuple[str, str]:
+    """The spec key most likely at fault for the model refusing ``bucket``'s inputs, and a
+    hint. Smaller buckets passed: the size of this one that none of them reached (a sequence
+    longer than a position table). Else a dtype mismatch is ``model.dtype`` against a floating
+    input of another dtype; an index out of range, the ``high`` of the one ``randint`` input;
+    anything else, ``inputs``."""
+    if passed:
+        sizes = bucket.as_dict()
+        beyond = [a for a in sizes if all(sizes[a] > b.as_dict()[a] for b in passed)]
+        if len(beyond) == 1:
+            axis = beyond[0]
+            return f"buckets.{axis}.{spec.buckets[axis].index(sizes[axis])}", (
+                f" (smaller buckets passed: {axis}={sizes[axis]} is past what the model takes)"
+            )
+        return "buckets", " (smaller buckets passed)"
+    text = str(exc).lower()
+    floating = ("float32", "float16", "bfloat16")
+    if "dtype" in text or "scalar type" in text:
+        for inp in spec.inputs:
+            if inp.dtype in floating and inp.dtype != spec.model.dtype:
+                return "model.dtype", (
+                    f" (model.dtype is {spec.model.dtype}, input {inp.name!r} is {inp.dtype})"
+                )
+    randint = [i for i, inp in enumerate(spec.inputs) if inp.fill == "randint"]
+    if len(randint) == 1 and (isinstance(exc, IndexError) or "index" in text):
+        inp = spec.inputs[randint[0]]
+        high = inp.high or inp.low + 1
+        return f"inputs.{randint[0]}.high", f" (input {inp.name!r} draws from [{inp.low}, {high}))"
+    return "inputs", ""

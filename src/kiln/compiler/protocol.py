@@ -83,6 +83,11 @@ class WorkerRequest(_Message):
         "bake's work folder, served once to list a server's imports (kiln.compiler.bake)",
     )
     fingerprint: bool = Field(False, description="record this process's environment fingerprint")
+    check_eager: bool = Field(
+        False,
+        description="call the model eagerly on each bucket's inputs before compiling: a spec "
+        "it refuses is exit 2 at the spec (the bake's first process only; never a served one)",
+    )
     report_imports: bool = Field(False, description="list the library sources imported (bake)")
     bytecode: str | None = Field(
         None, description="a restored bytecode tree to import from (kiln.bytecode.use)"

@@ -41,7 +41,7 @@ from kiln.compiler.dynamo_log import DynamoLog, merge_breaks
 from kiln.compiler.forwards import make_forward
 from kiln.compiler.measure import CLOCK, Forward, Meter, Phases
 from kiln.compiler.megacache import both, load_megacache, save_caches
-from kiln.compiler.model_import import build_model, make_inputs
+from kiln.compiler.model_import import build_model, check_eager, make_inputs
 from kiln.compiler.protocol import (
     MegacacheInfo,
     WorkerOutcome,
@@ -116,6 +116,11 @@ def _start_up(request: WorkerRequest, clock: Phases) -> _Ready:
         clock.mark("Inductor import + worker pool start")
     model = build_model(spec, device, _RANK)
     clock.mark("model build")
+    if request.check_eager:
+        with CLOCK.looking():  # the spec's check: no part of the start-up a server pays
+            seeds = _seeds(request, buckets)
+            called = {buckets[key]: seeds[key] for key in request.order}
+            check_eager(model, spec, called, device, synchronizer(device))
     forward = make_forward(request, spec, model, synchronizer(device), activation, launched=_RANK)
     clock.mark(_setup_phase(forward))
     meter = Meter(request.cache_root, dynamo, forward, watch, started)
@@ -133,7 +138,7 @@ def run(request: WorkerRequest) -> WorkerResult:
     import torch
 
     _emit(WorkerStarted(buckets=len(request.order), torch_import_s=ready.torch_import_s))
-    seeds = {key: request.input_seed + i * _SEED_STRIDE for i, key in enumerate(ready.buckets)}
+    seeds = _seeds(request, ready.buckets)
     grid = _Grid(spec, ready.device, seeds, forward, ready.meter)
     order = [ready.buckets[k] for k in request.order]
     with torch.inference_mode():
@@ -167,6 +172,11 @@ def run(request: WorkerRequest) -> WorkerResult:
         compiler_modules=[m for m in ("torch._dynamo", "torch._inductor") if m in sys.modules],
         workdir=logical_cwd(),
     )
+
+
+def _seeds(request: WorkerRequest, buckets: dict[str, Bucket]) -> dict[str, int]:
+    """Each bucket's first call's seed: by its place in the whole grid, not the order."""
+    return {key: request.input_seed + i * _SEED_STRIDE for i, key in enumerate(buckets)}
 
 
 def _setup_phase(forward: Forward) -> str:
