@@ -281,6 +281,9 @@ def test_a_bucket_outside_the_baked_grid_is_named_as_such() -> None:
     assert off_grid({"batch": 4, "seq": 128}, baked[:3]) == (
         "batch=4,seq=128 is not in the baked grid (excluded, or another shard's)"
     )
+    assert off_grid({"batch": 1}, baked) == (  # another model's grid: not "excluded"
+        "batch=1 is not in the baked grid (its axes are batch, seq)"
+    )
     bucket = BucketStats(
         key="batch=1,seq=64",
         sizes={"batch": 1, "seq": 64},
@@ -328,6 +331,34 @@ def test_verify_with_another_spec_names_keys_and_off_grid_buckets(baked, tmp_pat
     failing = json.loads(proc.stdout)["failing"]
     assert len(failing) == 1 and failing[0].startswith("batch=7: ")
     assert "batch=7 is not in the baked grid (batch: 2, 3, 5)" in failing[0]
+
+
+@pytest.mark.slow
+def test_verify_with_another_models_spec_is_refused_before_serving(
+    baked, tmp_path: Path, cli
+) -> None:
+    """Other grid axes or input names than the artifact's: one line, exit 5 (as another
+    number of ranks), before any process serves; not a compile and a ShapeError's traceback."""
+    import kiln
+    from tests.conftest import MODELS
+
+    _, result = baked
+    dest = tmp_path / "cache"
+    kiln.restore(result.artifact, dest)
+    other = tmp_path / "other.yaml"
+    other.write_text(
+        f"name: enc\nmodel:\n  factory: {MODELS}:masked_encoder\ninputs:\n"
+        "  - {name: input_ids, shape: [batch, seq], dtype: int64, fill: randint, high: 1000}\n"
+        "  - {name: attention_mask, shape: [batch, seq], dtype: int64, fill: ones}\n"
+        "buckets:\n  batch: [2]\n  seq: [8]\n"
+    )
+    proc = cli("verify", other, "--cache", dest)
+    assert proc.returncode == 5, proc.stderr
+    assert proc.stderr == (
+        "kiln: error: tiny-mlp was baked for grid axes batch and inputs (x); the spec has axes "
+        "batch × seq and inputs (input_ids, attention_mask): it is another model's spec (serve "
+        "the artifact with the spec it was baked from)\n"
+    ), proc.stderr
 
 
 def test_a_work_cell_names_each_kind_of_compile_work_by_its_word() -> None:

@@ -150,3 +150,18 @@ def test_verify_traffic_cli_passes_and_fails_on_an_in_grid_compile(
     assert any("compile(s)" in line for line in report["failing"])
     # What the compiles wrote in the served copy is listed, by where it went.
     assert report["new_files"] and all(f.startswith("DIR/inductor/") for f in report["new_files"])
+
+
+def test_a_spec_the_padded_grid_refuses_is_one_line_exit_2(
+    mlp: tuple[Path, Path], cli, tmp_path: Path
+) -> None:
+    """The padding path's ShapeError in the served process (a fixed dimension the artifact's
+    inputs do not have) is kiln's one-line refusal, exit 2: not a bug's exit 1 and traceback."""
+    spec, cache = mlp
+    other = tmp_path / "other.yaml"
+    other.write_text(spec.read_text().replace("[batch, seq, 16]", "[batch, seq, 8]"))
+    run = cli("verify", other, "--cache", cache, "--route", "activate")
+    assert run.returncode == 2, run.stderr
+    assert "Traceback" not in run.stderr
+    last = run.stderr.strip().splitlines()[-1]
+    assert last == "kiln: error: input 'x' dimension 2 is 8, the spec fixes it at 16", last

@@ -225,10 +225,12 @@ def off_grid(sizes: dict[str, int], baked: list[dict[str, int]]) -> str | None:
     (``expected 32, actual 64``) reads like a cache fault."""
     if not baked or sizes in baked:
         return None
+    key = ",".join(f"{a}={s}" for a, s in sizes.items())
+    if set(sizes) != set(baked[0]):  # another model's grid: no size of it was baked
+        return f"{key} is not in the baked grid (its axes are {', '.join(baked[0])})"
     for axis, size in sizes.items():
         values = sorted({b[axis] for b in baked if axis in b})
         if values and size not in values:
             shown = ", ".join(map(str, values))
             return f"{axis}={size} is not in the baked grid ({axis}: {shown})"
-    key = ",".join(f"{a}={s}" for a, s in sizes.items())
     return f"{key} is not in the baked grid (excluded, or another shard's)"

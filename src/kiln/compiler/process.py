@@ -73,11 +73,13 @@ class WorkerError(KilnError):
 
 
 def failure_error(spec: Spec, failure: WorkerFailure, log: str) -> KilnError:
-    """kiln's error for what the worker reported: the spec's (exit 2, at its key), an
-    incompatibility (exit 5), a restored folder that cannot serve (exit 6), or a
-    :class:`WorkerError` with the tail of its log."""
+    """kiln's error for what the worker reported: the spec's (exit 2, at its key), kiln's
+    refusal of what it was given (exit 2), an incompatibility (exit 5), a restored folder that
+    cannot serve (exit 6), or a :class:`WorkerError` with the tail of its log."""
     if failure.kind == "spec":
         return error_at(spec, failure.key or "", failure.message)
+    if failure.kind == "usage":
+        return UsageError(failure.message)
     if failure.kind == "incompatible":
         return IncompatibleError(failure.message)
     if failure.kind == "unservable":

@@ -19,7 +19,7 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from kiln.artifact.manifest import Aoti, BucketStats, GraphBreak
 from kiln.compiler.failures import Incompatible, SpecProblem
-from kiln.errors import IncompatibleError, PackageLoadError
+from kiln.errors import IncompatibleError, PackageLoadError, UsageError
 from kiln.spec import Spec
 
 _STREAM_STRIDE = 1 << 24  # seeds per stream: 16,384 buckets of 1,000 calls
@@ -186,25 +186,28 @@ class WorkerResult(_Message):
 class WorkerFailure(_Message):
     """An expected failure, mapped by the parent to kiln's exit codes.
 
-    ``spec``: the spec is at fault, at ``key`` (exit 2); ``incompatible``: this process cannot
-    use what was baked (exit 5); ``unservable``: what was restored cannot serve
-    (:class:`~kiln.errors.PackageLoadError`, exit 6); ``internal``: anything else (exit 1, with
-    the log's tail).
+    ``spec``: the spec is at fault, at ``key`` (exit 2); ``usage``: kiln refused what it was
+    given (a :class:`~kiln.errors.UsageError`, e.g. the padding path's ``ShapeError``: exit 2,
+    its one line); ``incompatible``: this process cannot use what was baked (exit 5);
+    ``unservable``: what was restored cannot serve (:class:`~kiln.errors.PackageLoadError`,
+    exit 6); ``internal``: anything else (exit 1, with the log's tail).
     """
 
-    kind: Literal["spec", "incompatible", "unservable", "internal"]
+    kind: Literal["spec", "usage", "incompatible", "unservable", "internal"]
     message: str
     key: str | None = Field(None, description="the spec key at fault (kind spec)")
 
 
 def failure_of(exc: Exception) -> tuple[WorkerFailure, int]:
     """How a worker (or replay's) process reports ``exc`` to its parent, with its exit code: the
-    spec's problem at a key (2), what was baked unusable here (5), what was restored unable to
-    serve (6), else a bug (1). Called in the ``except`` block: a failure that is not the spec's
-    leaves its traceback in the log."""
+    spec's problem at a key or what kiln refused (2), what was baked unusable here (5), what was
+    restored unable to serve (6), else a bug (1). Called in the ``except`` block: a failure that
+    is not the spec's leaves its traceback in the log."""
     if isinstance(exc, SpecProblem):
         return WorkerFailure(kind="spec", key=exc.key, message=str(exc)), 2
     traceback.print_exc()
+    if isinstance(exc, UsageError):
+        return WorkerFailure(kind="usage", message=str(exc)), 2
     if isinstance(exc, (Incompatible, IncompatibleError)):
         return WorkerFailure(kind="incompatible", message=str(exc)), 5
     if isinstance(exc, PackageLoadError):

@@ -41,7 +41,7 @@ from kiln.compiler.process import WorkerError, failure_error, heartbeat_interval
 from kiln.compiler.protocol import WorkerFailure
 from kiln.compiler.verify import (
     changed_line,
-    check_world_size,
+    check_spec_fits,
     folder_drift,
     private_copy,
 )
@@ -253,7 +253,7 @@ def replay(
     if on_miss is not None and on_miss not in ON_MISS:
         raise ParameterError("on_miss", on_miss, f"one of {', '.join(ON_MISS)}", shown=str(on_miss))
     manifest = read_manifest(cache)
-    check_world_size(spec, manifest)
+    check_spec_fits(spec, manifest)
     if spec.distributed:
         raise UsageError(
             Worded(

@@ -332,6 +332,31 @@ def check_world_size(spec: Spec, manifest: Manifest) -> None:
         )
 
 
+def check_spec_fits(spec: Spec, manifest: Manifest) -> None:
+    """A spec for another model than the artifact's is exit 5, said at once: its ranks
+    (:func:`check_world_size`), its grid's axes or its inputs' names are not the baked spec's.
+    Served, every bucket would miss on keys no bucket of the artifact has, and the inputs it
+    makes would not be those the artifact's server wraps (a padded grid's ``ShapeError``)."""
+    check_world_size(spec, manifest)
+    baked = manifest.spec
+    axes, baked_axes = list(spec.buckets), list(baked.get("buckets") or {})
+    names = [inp.name for inp in spec.inputs]
+    baked_names = [str(inp.get("name")) for inp in baked.get("inputs") or []]
+    baked_says, spec_says = [], []
+    if axes != baked_axes:
+        baked_says.append(f"grid axes {' × '.join(baked_axes)}")
+        spec_says.append(f"axes {' × '.join(axes)}")
+    if sorted(names) != sorted(baked_names):
+        baked_says.append(f"inputs ({', '.join(baked_names)})")
+        spec_says.append(f"inputs ({', '.join(names)})")
+    if baked_says:
+        raise IncompatibleError(
+            f"{manifest.name} was baked for {' and '.join(baked_says)}; the spec has "
+            f"{' and '.join(spec_says)}: it is another model's spec (serve the artifact with "
+            "the spec it was baked from)"
+        )
+
+
 def verify(
     spec: Spec | str | Path,
     cache: str | Path,
@@ -351,7 +376,7 @@ def verify(
     spec = spec if isinstance(spec, Spec) else load_spec(spec)
     cache = _restored(Path(cache).absolute())
     manifest = read_manifest(cache)
-    check_world_size(spec, manifest)
+    check_spec_fits(spec, manifest)
     routes = served_routes(manifest, routes)
     grid = [b for b in expand(spec) if keys is None or b.key in keys]
     order_keys = [b.key for b in ordered(grid, order, seed)]
