@@ -649,8 +649,15 @@ def _limit_memory() -> None:
             ":8:3: compile.backend: torch.compile refused it: Invalid backend: 'no_such_backend'",
             False,
         ),
+        (  # torch's refusal lists every option, cpu_backend among them: no backend error
+            "  dynamic: false",
+            "  dynamic: false\n  options: {max_autotun: true}",
+            ":8:13: compile.options.max_autotun: torch.compile refused it: unknown Inductor "
+            "option 'max_autotun' (did you mean 'max_autotune'?)",
+            False,
+        ),
     ],
-    ids=["no-cuda", "call-kwargs", "too-large", "factory-raises", "backend"],
+    ids=["no-cuda", "call-kwargs", "too-large", "factory-raises", "backend", "option-typo"],
 )
 def test_worker_spec_problems_are_one_located_line(
     tmp_path, old: str, new: str, expected: str, limited: bool

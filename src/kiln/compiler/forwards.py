@@ -6,7 +6,9 @@ packages, or (the activate route) what ``kiln.activate().compile()`` returns; ea
 
 from __future__ import annotations
 
+import ast
 import contextlib
+import re
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -20,6 +22,7 @@ from kiln.compiler.ranks import Rank
 from kiln.layout import CacheLayout
 from kiln.padding import PadGrid
 from kiln.spec import Spec
+from kiln.spec_yaml import did_you_mean
 
 if TYPE_CHECKING:
     from kiln.artifact.manifest import Aoti
@@ -62,9 +65,27 @@ def make_forward(
             return Forward(framed, call_kwargs, sync, serves_frames=request.frames == "serve")
         return Forward(torch.compile(model, **kwargs), call_kwargs, sync)
     except RuntimeError as exc:  # torch checks the backend and option names here
-        key = "compile.backend" if "backend" in str(exc).lower() else "compile.options"
-        message = one_line(exc).split(", known options are")[0]
-        raise SpecProblem(key, f"torch.compile refused it: {message}") from exc
+        raise _refused(exc) from exc
+
+
+_UNKNOWN_OPTION = re.compile(r"Unexpected optimization option (\S+), known options are (\[.*\])")
+
+
+def _refused(exc: RuntimeError) -> SpecProblem:
+    """torch.compile's refusal at the spec's key: an option name it does not know at that
+    option (``compile.options.max_autotun``, with the known name nearest to it), a backend at
+    ``compile.backend``. (Its option error lists all 600-odd names, ``cpu_backend`` among them:
+    it is no backend error for saying "backend".)"""
+    text = str(exc)
+    unknown = _UNKNOWN_OPTION.search(text)
+    if unknown is None:
+        key = "compile.backend" if "backend" in text.lower() else "compile.options"
+        return SpecProblem(key, f"torch.compile refused it: {one_line(exc)}")
+    name, hint = unknown.group(1), ""
+    with contextlib.suppress(ValueError, SyntaxError):
+        hint = did_you_mean(name, ast.literal_eval(unknown.group(2)))
+    message = f"torch.compile refused it: unknown Inductor option {name!r}{hint}"
+    return SpecProblem(f"compile.options.{name}", message)
 
 
 @contextlib.contextmanager
