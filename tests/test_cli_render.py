@@ -361,6 +361,32 @@ def test_verify_with_another_models_spec_is_refused_before_serving(
     ), proc.stderr
 
 
+@pytest.mark.slow
+def test_verify_names_a_changed_model_source_with_the_miss(baked, tmp_path: Path, cli) -> None:
+    """The factory's file differs from the one baked (model_source_sha256): that is named as
+    the likely cause of the miss, before torch's guard (a shape that reads like a cache fault)."""
+    import kiln
+    from tests.conftest import MODELS, mlp_spec
+
+    _, result = baked
+    dest = tmp_path / "cache"
+    kiln.restore(result.artifact, dest)
+    source = MODELS.read_text()
+    edited = "return self.fc2(torch.relu(self.fc1(x))) * scale * 2"
+    (tmp_path / "models.py").write_text(
+        source.replace("return self.fc2(torch.relu(self.fc1(x))) * scale", edited)
+    )
+    assert edited in (tmp_path / "models.py").read_text()
+    spec = tmp_path / "spec.yaml"
+    spec.write_text(mlp_spec().replace(str(MODELS), "models.py"))
+    proc = cli("verify", spec, "--cache", dest, "--route", "plain", "--json")
+    assert proc.returncode == 6, proc.stderr
+    report = json.loads(proc.stdout)
+    line = "the model's source (models.py) changed since the bake: a changed model compiles anew"
+    assert report["failing"][0].startswith(line), report["failing"]
+    assert report["model_source_changed"].startswith(line)
+
+
 def test_a_work_cell_names_each_kind_of_compile_work_by_its_word() -> None:
     """What ``compiles`` adds up and what bench's table names come from one list (WORK_KINDS):
     a kind of work counted is a kind shown, in the list's order, zeros left out."""

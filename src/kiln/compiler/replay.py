@@ -44,6 +44,7 @@ from kiln.compiler.verify import (
     check_spec_fits,
     folder_drift,
     private_copy,
+    source_changed,
 )
 from kiln.compiler.writes import Snapshot, Watch
 from kiln.errors import (
@@ -154,6 +155,7 @@ class ReplayReport:
     # folder a server compiled into would pass the replay with graphs the bake never made.
     folder_changes: list[str] = field(default_factory=list)
     env_names: str | None = None  # the folder a changed kiln.env names, when not this one
+    source_changed: str | None = None  # the model's source differs from the bake's (a line)
 
     @property
     def in_grid(self) -> list[RequestRecord]:
@@ -204,6 +206,8 @@ class ReplayReport:
 
     def reasons(self) -> list[str]:
         out = [changed_line(self.folder_changes, self.env_names)] if self.folder_changes else []
+        if self.failing and self.source_changed:  # the likeliest cause of an in-grid compile
+            out.append(self.source_changed)
         out += [
             f"{r.key} ({f'bucket {r.bucket}' if r.bucket else 'off the grid, on_miss: error'}): "
             f"{r.compiles} compile(s)" + (f": {r.why}" if r.why else "")
@@ -225,6 +229,7 @@ class ReplayReport:
             "summary": self.summary(),
             "failing": self.reasons(),
             "folder_changes": self.folder_changes,
+            "model_source_changed": self.source_changed,
             "padding": self.result.padding,
             "new_files": self.result.new_files[:NEW_FILES_SHOWN],
             "eager_new_files": self.result.eager_new_files[:NEW_FILES_SHOWN],
@@ -296,6 +301,7 @@ def replay(
         time.time() - t0,
         folder_changes=changes,
         env_names=elsewhere,
+        source_changed=source_changed(spec, manifest),
     )
 
 
