@@ -261,6 +261,20 @@ def test_exclude_unknown_axis(write_spec) -> None:
     assert msg == "spec.yaml:13:12: exclude.0.seq: unknown axis 'seq'"
 
 
+def test_exclude_of_a_size_the_grid_lacks_is_refused_at_it(write_spec) -> None:
+    """It would exclude nothing, silently: the grid compiles what the spec meant to leave out."""
+    msg = error_of(write_spec, mlp_spec() + "exclude: [{batch: 2}, {batch: 4}]\n")
+    assert msg == (
+        "spec.yaml:13:24: exclude.1.batch: batch=4 is no size of the grid, so this excludes no "
+        "bucket (batch: 2, 3, 5)"
+    )
+
+
+def test_an_exclude_that_empties_the_grid_is_located(write_spec) -> None:
+    msg = error_of(write_spec, mlp_spec() + "exclude: [{batch: 2}, {batch: 3}, {batch: 5}]\n")
+    assert msg == "spec.yaml:13:1: exclude: the grid is empty after `exclude`"
+
+
 def test_cli_spec_error_exit_2(cli, write_spec) -> None:
     path = write_spec(mlp_spec() + "bogus: 1\n")
     proc = cli("bake", path, "-o", "out.kiln.tar.zst", no_torch=True)

@@ -47,7 +47,7 @@ def check(text: str) -> Spec | None:
             assert message.isprintable(), message  # one line, whatever the spec's keys hold
             return None
         # What bake, verify and the manifest derive from a spec must hold for any valid one.
-        assert 1 <= len(expand(spec)) <= 4096 or spec.exclude
+        assert 1 <= len(expand(spec)) <= 4096  # `exclude` never empties it, nor names no size
         spec.sha256()
         spec.compile_env()
         torch_kwargs(spec.compile)

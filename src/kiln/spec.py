@@ -428,12 +428,23 @@ class Spec(_Strict):
                     ("model", "call_kwargs", key), f"{key!r} is already an input's name"
                 )
         for i, combo in enumerate(self.exclude):
-            for axis in combo:
+            for axis, size in combo.items():
                 if axis not in self.buckets:
                     raise LocatedValueError(
                         ("exclude", i, axis),
                         f"unknown axis {axis!r}{did_you_mean(axis, self.buckets)}",
                     )
+                sizes = self.buckets[axis]
+                if size not in sizes:  # it would exclude nothing, silently
+                    raise LocatedValueError(
+                        ("exclude", i, axis),
+                        f"{axis}={size} is no size of the grid, so this excludes no bucket "
+                        f"({axis}: {', '.join(map(str, sizes))})",
+                    )
+        from kiln.grid import expand  # (kiln.grid reads a Spec: imported where it is whole)
+
+        if self.exclude and not expand(self):
+            raise LocatedValueError(("exclude",), "the grid is empty after `exclude`")
         for key in self.env:
             problem = env_key_problem(key)
             if problem:
