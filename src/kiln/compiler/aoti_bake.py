@@ -22,6 +22,7 @@ from __future__ import annotations
 import shutil
 import subprocess
 import sysconfig
+import time
 import traceback
 import zipfile
 from pathlib import Path, PurePosixPath
@@ -117,6 +118,9 @@ class AotiBuilder:
             programs=[],
         )
         self.served: AotiModel | None = None
+        # Seconds spent building packages (export, AOT compile, extraction): the route's compile
+        # time, which Dynamo's compile timer never sees (the worker's Meter adds it per bucket).
+        self.build_s = 0.0
         out.mkdir(parents=True, exist_ok=True)
 
     @property
@@ -142,7 +146,9 @@ class AotiBuilder:
         else:
             name = package_folder(key if self.ranges is None else None)
             traced = self._largest(example) if self.ranges is not None else example
+            t0 = time.perf_counter()
             library = self._build(traced, self.out / name)
+            self.build_s += time.perf_counter() - t0
             folder = _TOP.member(_TOP.aoti / name)
             program = AotiProgram(path=folder, library=library, buckets=[key], ranges=self.ranges)
             self.info.programs.append(program)
