@@ -567,6 +567,14 @@ class Spec(_Strict):
         found = _find_module(target, self.base_dir)
         return Path(found.origin) if found and found.origin else None
 
+    def model_source_sha256(self) -> str | None:
+        """The sha256 of the factory's source file (None: no file to hash), as the manifest
+        records it: bench and verify compare it with the bake's to name a changed model."""
+        origin = self.factory_origin()
+        if origin is None or not origin.is_file():
+            return None
+        return hashlib.sha256(origin.read_bytes()).hexdigest()  # a source file: small
+
 
 def _env_str(value: object) -> str:
     if isinstance(value, bool):

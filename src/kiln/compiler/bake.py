@@ -39,7 +39,6 @@ from kiln import bytecode
 from kiln.artifact.archive import (
     ARTIFACT_SUFFIX,
     artifact_target,
-    sha256_file,
     source_date_epoch,
     write_artifact,
 )
@@ -728,7 +727,6 @@ def _manifest(
     grid = list(first.result.buckets)
     order = {b.key: i for i, b in enumerate(buckets)}
     grid.sort(key=lambda b: order[b.key])
-    origin = spec.factory_origin()
     epoch = source_date_epoch()
     created = datetime.fromtimestamp(epoch or time.time(), tz=timezone.utc)
     return Manifest(
@@ -736,7 +734,7 @@ def _manifest(
         created=created.isoformat(timespec="seconds"),
         spec=spec.canonical(),
         spec_sha256=spec.sha256(),
-        model_source_sha256=sha256_file(origin) if origin and origin.is_file() else None,
+        model_source_sha256=spec.model_source_sha256(),
         fingerprint=first.result.fingerprint or {},
         env=compile_env(spec),
         grid=grid,

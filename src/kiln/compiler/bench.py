@@ -364,11 +364,9 @@ def reusable_bake(spec: Spec, work: Path, files: _BakeFiles = _COMPILE_BAKE) -> 
         return "no bake in the work folder"
     saved = json.loads(record.read_text())
     manifest = read_manifest(artifact)
-    origin = spec.factory_origin()
-    source = sha256_file(origin) if origin and origin.is_file() else None
     if manifest.spec_sha256 != spec.sha256():
         return "baked from another spec"
-    if manifest.model_source_sha256 != source:
+    if manifest.model_source_sha256 != spec.model_source_sha256():
         return "the model's source changed"
     if manifest.kiln_version != __version__:
         return f"baked by kiln {manifest.kiln_version}"

@@ -24,7 +24,7 @@ from pathlib import Path, PurePosixPath
 from typing import Any
 
 from kiln import bytecode
-from kiln.artifact.archive import read_manifest, sha256_file
+from kiln.artifact.archive import read_manifest
 from kiln.artifact.drift import changes, env_folder
 from kiln.artifact.manifest import BucketStats, GraphBreak, Manifest
 from kiln.artifact.restore import read_installed
@@ -341,18 +341,18 @@ def source_changed(spec: Spec, manifest: Manifest) -> str | None:
     manifest's ``model_source_sha256``): a model whose code changed traces other graphs, and
     the guard torch quotes for the miss (``expected 1, actual 4``) points elsewhere. Said with
     a miss, as its likely cause; by itself no failure (an edited comment hits). Torch-free."""
-    origin = spec.factory_origin()
     baked = manifest.model_source_sha256
-    if baked is None or origin is None or not origin.is_file():
-        return None
     try:
-        if sha256_file(origin) == baked:
-            return None
+        here = spec.model_source_sha256()
     except OSError:
         return None
+    if baked is None or here is None or here == baked:
+        return None
+    origin = spec.factory_origin()
+    name = origin.name if origin else spec.model.factory
     return (
-        f"the model's source ({origin.name}) changed since the bake: a changed model compiles "
-        "anew (bake it again)"
+        f"the model's source ({name}) changed since the bake: a changed model compiles anew "
+        "(bake it again)"
     )
 
 
